@@ -1,0 +1,1 @@
+"""The node agent: discovery, engine adapters, supervision, provisioning."""

@@ -1,0 +1,1 @@
+"""Installing engines on a node: release archives, builds from source, environments."""

@@ -1,0 +1,43 @@
+"""The `llmgw` command: one executable, every role."""
+
+from __future__ import annotations
+
+import typer
+
+from llmgw import __version__
+from llmgw.cli import keys, server, up
+
+app = typer.Typer(
+    name="llmgw",
+    help="Self-hosted LLM gateway: one OpenAI-compatible URL, with API keys, in front of your inference engines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"llmgw v{__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Self-hosted LLM gateway: one OpenAI-compatible URL, with API keys, in front of your inference engines."""
+
+
+app.command("server", help=server.server.__doc__)(server.server)
+app.add_typer(keys.app, name="keys")
+app.command("up", help=up.up.__doc__)(up.up)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

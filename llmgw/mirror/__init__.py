@@ -1,0 +1,1 @@
+"""The model mirror: serving and fetching weights inside the network."""

@@ -1,0 +1,1 @@
+"""The admin listener: /api/v1 handlers, metrics, health."""

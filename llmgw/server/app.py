@@ -1,0 +1,227 @@
+"""`llmgw server`: builds the gateway from server.yaml and runs its listeners until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from llmgw import __version__
+from llmgw.config.server import ServerConfig
+from llmgw.config.types import ListenAddress
+from llmgw.server.gateway.auth import KeyCache
+from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
+from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.proxy import Gateway
+from llmgw.server.gateway.usage import UsageRecorder
+from llmgw.server.metrics import GatewayMetrics
+from llmgw.store import Store
+
+log = logging.getLogger("llmgw.server")
+
+
+class StartError(Exception):
+    """The server could not start; the message says why and what to change."""
+
+
+class Server:
+    """Every part of a running gateway, started and stopped in order."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.store: Store | None = None
+        self.keys: KeyCache | None = None
+        self.usage: UsageRecorder | None = None
+        self.metrics = GatewayMetrics()
+        eps = [
+            Endpoint(m.name, e.url, e.engine, e.model, config.router.breaker.failures, config.router.breaker.cooldown)
+            for m in config.models for e in m.endpoints
+        ]
+        self.endpoints = EndpointSet(eps, config.router.scrape_interval, config.router.metrics_stale_after,
+                                     config.timeouts.connect)
+        self.gateway: Gateway | None = None
+        self._runners: list[web.AppRunner] = []
+        self.started_at = time.time()
+
+    async def start(self) -> None:
+        cfg = self.config
+        try:
+            self.store = await Store.open(cfg.auth.store)
+        except Exception as exc:
+            raise StartError(f"auth.store: {exc}") from exc
+        self.keys = KeyCache(self.store)
+        await self.keys.load()
+        self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit)
+        self.metrics.watch(self.endpoints, self.usage)
+        self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
+        await self.gateway.start()
+        await self.endpoints.start()
+        self.keys.start()
+        self.usage.start()
+        try:
+            await self._listen(cfg.listen, "listen", self._client_app())
+            await self._listen(cfg.admin_listen, "admin_listen", self._admin_app())
+            if cfg.metrics_listen is not None:
+                await self._listen(cfg.metrics_listen, "metrics_listen", self._metrics_app())
+        except StartError:
+            await self.stop()
+            raise
+        if not cfg.auth.enabled:
+            log.warning("auth.enabled is false: anyone who reaches %s can use every model", cfg.listen)
+        log.info("llmgw %s serving %d model(s) on %s (admin %s%s); %d API key(s) loaded",
+                 __version__, len(cfg.models), cfg.listen, cfg.admin_listen,
+                 f", metrics {cfg.metrics_listen}" if cfg.metrics_listen else "", len(self.keys))
+
+    async def stop(self) -> None:
+        # Listeners first (running requests get timeouts.drain to finish), then the
+        # background work, then one last usage flush, then the store.
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners = []
+        await self.endpoints.stop()
+        if self.keys is not None:
+            await self.keys.stop()
+        if self.gateway is not None:
+            await self.gateway.stop()
+        if self.usage is not None:
+            await self.usage.stop()
+        if self.store is not None:
+            await self.store.close()
+            self.store = None
+
+    async def _listen(self, addr: ListenAddress, key: str, app: web.Application) -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                               shutdown_timeout=self.config.timeouts.drain)
+        await runner.setup()
+        self._runners.append(runner)
+        site = web.TCPSite(runner, addr.bind_host, addr.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise StartError(f"{key} {addr}: the address is already in use by another process; "
+                                 f"stop it or change {key} in server.yaml") from None
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise StartError(f"{key} {addr}: permission denied; ports below 1024 need root, choose another") from None
+            raise StartError(f"{key} {addr}: cannot listen: {exc.strerror or exc}") from None
+
+    # -- applications -------------------------------------------------------
+
+    def _client_app(self) -> web.Application:
+        assert self.gateway is not None
+        # aiohttp refuses larger bodies itself too; the gateway answers in OpenAI's shape first.
+        app = web.Application(client_max_size=self.config.router.max_body_bytes,
+                              middlewares=[_json_errors])
+        self.gateway.add_routes(app)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        return app
+
+    def _admin_app(self) -> web.Application:
+        app = web.Application(middlewares=[_json_errors])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/api/v1/endpoints", self._api_endpoints)
+        app.router.add_get("/api/v1/status", self._api_status)
+        return app
+
+    def _metrics_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "version": __version__}, dumps=_dumps)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        if self.endpoints.any_ready():
+            return web.json_response({"status": "ready"}, dumps=_dumps)
+        return web.json_response({"status": "not ready", "reason": "no endpoint of any model passes its health check"},
+                                 status=503, dumps=_dumps)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _api_endpoints(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        stale_after = self.endpoints.stale_after
+        out = []
+        for ep in self.endpoints.endpoints:
+            stale = ep.metrics_stale(now, stale_after)
+            out.append({
+                "model": ep.model, "url": ep.url, "engine": ep.engine,
+                "healthy": ep.healthy, "health": ep.health_detail, "available": ep.available(now),
+                "breaker_open": ep.breaker_open, "consecutive_failures": ep.failures,
+                "inflight": ep.inflight,
+                "waiting": None if stale else ep.waiting, "running": None if stale else ep.running,
+                "kv_cache_usage": None if stale else ep.kv_usage, "metrics_stale": stale,
+            })
+        return web.json_response({"endpoints": out}, dumps=_dumps)
+
+    async def _api_status(self, request: web.Request) -> web.Response:
+        usage = self.usage
+        return web.json_response({
+            "version": __version__, "uptime_seconds": round(time.time() - self.started_at, 1),
+            "models": len(self.config.models), "endpoints": len(self.endpoints.endpoints),
+            "ready": self.endpoints.any_ready(), "api_keys": len(self.keys) if self.keys else 0,
+            "auth_enabled": self.config.auth.enabled,
+            "usage": {"pending": usage.pending, "written": usage.written, "dropped": usage.dropped} if usage else None,
+        }, dumps=_dumps)
+
+
+def _dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method) in the same JSON shape as ours."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response(405, f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
+                              "method_not_allowed")
+    except web.HTTPNotFound:
+        return error_response(404, f"there is nothing at {request.path}", "not_found")
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, exc.text or "the request body is too large", "request_too_large")
+
+
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def install_loop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional on platforms without it
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve_until_stopped(config: ServerConfig, on_started: Callable[[Server], None] | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain and stop."""
+    server = Server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    if on_started is not None:
+        on_started(server)
+    try:
+        await stop.wait()
+        log.info("stopping: finishing running requests (up to %gs)", config.timeouts.drain)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

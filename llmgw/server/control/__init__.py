@@ -1,0 +1,1 @@
+"""The control plane: catalog, placement, reconciler, agent service."""

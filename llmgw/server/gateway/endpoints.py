@@ -1,0 +1,290 @@
+"""Engine endpoints: their load as each engine reports it, their health, and the breaker.
+
+Load comes from two places: what the gateway itself has in flight to an endpoint
+(exact, current) and what the engine publishes on its own /metrics (includes
+traffic from elsewhere, but is up to one scrape interval old). The scraper
+keeps the second current in the background, so choosing an endpoint never
+waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger("llmgw.gateway.endpoints")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Which series of an engine's /metrics mean waiting, running and KV-cache use."""
+
+    waiting: tuple[str, ...]
+    running: tuple[str, ...]
+    kv_usage: tuple[str, ...]
+    health_path: str = "/health"
+
+
+# Each tuple lists the names an engine has used across versions, newest first;
+# the first one present in a scrape wins.
+ENGINE_METRICS: dict[str, MetricNames | None] = {
+    "llamacpp": MetricNames(
+        waiting=("llamacpp:requests_deferred",),
+        running=("llamacpp:requests_processing",),
+        kv_usage=("llamacpp:kv_cache_usage_ratio",),
+    ),
+    "vllm": MetricNames(
+        waiting=("vllm:num_requests_waiting",),
+        running=("vllm:num_requests_running",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    "sglang": MetricNames(
+        waiting=("sglang:num_queue_reqs",),
+        running=("sglang:num_running_reqs",),
+        kv_usage=("sglang:token_usage",),
+    ),
+    # A generic OpenAI-compatible server publishes nothing llmgw can read.
+    "openai": None,
+}
+
+
+def parse_prometheus(text: str, wanted: set[str]) -> dict[str, float]:
+    """Sum the samples of the wanted series in Prometheus text format.
+
+    Only plain gauge/counter lines are looked at; a series with several label
+    sets (vLLM labels by model_name) is summed, which is what load means.
+    """
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if space < 0:
+            continue
+        end = brace if 0 <= brace < space else space
+        name = line[:end]
+        if name not in wanted:
+            continue
+        if brace == end:
+            close = line.rfind("}")
+            if close < 0:
+                continue
+            rest = line[close + 1 :].split()
+        else:
+            rest = line[space + 1 :].split()
+        if not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        if value != value:  # NaN says nothing about load
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def _first(values: dict[str, float], names: tuple[str, ...]) -> float | None:
+    for n in names:
+        if n in values:
+            return values[n]
+    return None
+
+
+class Endpoint:
+    """One engine serving one model, and everything the router knows about it."""
+
+    __slots__ = (
+        "model", "url", "engine", "upstream_model", "names",
+        "inflight", "waiting", "running", "kv_usage", "scraped_at",
+        "healthy", "health_detail", "failures", "open_until", "cooldown", "trial_inflight",
+        "_breaker_failures", "_breaker_cooldown",
+    )
+
+    def __init__(self, model: str, url: str, engine: str, upstream_model: str | None,
+                 breaker_failures: int = 3, breaker_cooldown: float = 10.0) -> None:
+        self.model = model
+        self.url = url
+        self.engine = engine
+        self.upstream_model = upstream_model
+        self.names = ENGINE_METRICS.get(engine)
+        self.inflight = 0
+        self.waiting: float | None = None
+        self.running: float | None = None
+        self.kv_usage: float | None = None
+        self.scraped_at = 0.0
+        self.healthy = False
+        self.health_detail = "not checked yet"
+        self.failures = 0
+        self.open_until = 0.0
+        self.cooldown = breaker_cooldown
+        self.trial_inflight = False
+        self._breaker_failures = breaker_failures
+        self._breaker_cooldown = breaker_cooldown
+
+    # The breaker: closed while failures < threshold; open (no traffic) until
+    # open_until; then half-open, letting a single trial request through.
+    @property
+    def breaker_open(self) -> bool:
+        return self.failures >= self._breaker_failures
+
+    def available(self, now: float) -> bool:
+        if not self.healthy:
+            return False
+        if self.failures < self._breaker_failures:
+            return True
+        return now >= self.open_until and not self.trial_inflight
+
+    def record_success(self) -> None:
+        if self.failures:
+            if self.failures >= self._breaker_failures:
+                log.info("endpoint %s (%s) answers again; breaker closed", self.url, self.model)
+            self.failures = 0
+            self.cooldown = self._breaker_cooldown
+        self.trial_inflight = False
+
+    def record_failure(self, why: str) -> None:
+        self.trial_inflight = False
+        self.failures += 1
+        if self.failures >= self._breaker_failures:
+            now = time.monotonic()
+            if now >= self.open_until:
+                if self.failures > self._breaker_failures:
+                    # A failed trial: wait longer before the next one, up to a minute.
+                    self.cooldown = min(self.cooldown * 2, 60.0)
+                self.open_until = now + self.cooldown
+                log.warning("endpoint %s (%s) taken out for %.0fs after %d failures: %s",
+                            self.url, self.model, self.cooldown, self.failures, why)
+
+    def load(self, now: float, stale_after: float) -> float:
+        """Requests ahead of a new one here; KV use breaks ties."""
+        busy = float(self.inflight)
+        if self.scraped_at and now - self.scraped_at <= stale_after:
+            engine_busy = (self.running or 0.0) + (self.waiting or 0.0)
+            if engine_busy > busy:
+                busy = engine_busy
+            return busy + (self.kv_usage or 0.0)
+        return busy
+
+    def metrics_stale(self, now: float, stale_after: float) -> bool:
+        return self.names is not None and (not self.scraped_at or now - self.scraped_at > stale_after)
+
+    def apply_scrape(self, text: str, now: float) -> None:
+        names = self.names
+        if names is None:
+            return
+        values = parse_prometheus(text, {*names.waiting, *names.running, *names.kv_usage})
+        self.waiting = _first(values, names.waiting)
+        self.running = _first(values, names.running)
+        kv = _first(values, names.kv_usage)
+        # Some engines report percent, the rest a ratio; the router works in ratios.
+        self.kv_usage = kv / 100.0 if kv is not None and kv > 1.0 else kv
+        self.scraped_at = now
+
+
+class EndpointSet:
+    """All endpoints of all models, and the background work that keeps them current."""
+
+    def __init__(self, endpoints: list[Endpoint], scrape_interval: float, stale_after: float,
+                 connect_timeout: float) -> None:
+        self.endpoints = endpoints
+        self.by_model: dict[str, list[Endpoint]] = {}
+        for ep in endpoints:
+            self.by_model.setdefault(ep.model, []).append(ep)
+        self.scrape_interval = scrape_interval
+        self.stale_after = stale_after
+        self._connect_timeout = connect_timeout
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    def choose(self, model: str, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
+        """The least loaded available endpoint of a model; ties are broken at random."""
+        now = time.monotonic()
+        best: Endpoint | None = None
+        best_load = 0.0
+        ties = 0
+        for ep in self.by_model.get(model, ()):
+            if ep in exclude or not ep.available(now):
+                continue
+            load = ep.load(now, self.stale_after)
+            if best is None or load < best_load:
+                best, best_load, ties = ep, load, 1
+            elif load == best_load:
+                # Reservoir choice among equals spreads an idle pool evenly.
+                ties += 1
+                if random.random() * ties < 1.0:
+                    best = ep
+        if best is not None and best.failures:
+            best.trial_inflight = True
+        return best
+
+    def any_ready(self) -> bool:
+        now = time.monotonic()
+        return any(ep.available(now) for ep in self.endpoints)
+
+    def model_ready(self, model: str) -> bool:
+        now = time.monotonic()
+        return any(ep.available(now) for ep in self.by_model.get(model, ()))
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(2.0, self.scrape_interval * 2), sock_connect=self._connect_timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        # One probe round before serving, so /ready is right from the first request.
+        await asyncio.gather(*(self._probe(ep) for ep in self.endpoints))
+        self._tasks = [asyncio.create_task(self._watch(ep), name=f"scrape {ep.url}") for ep in self.endpoints]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _watch(self, ep: Endpoint) -> None:
+        # Jitter keeps many endpoints from being scraped in lockstep.
+        await asyncio.sleep(random.random() * self.scrape_interval)
+        while True:
+            await self._probe(ep)
+            await asyncio.sleep(self.scrape_interval)
+
+    async def _probe(self, ep: Endpoint) -> None:
+        assert self._session is not None
+        was = ep.healthy
+        try:
+            if ep.names is None:
+                # Any OpenAI-compatible server lists its models; answering at all
+                # (even 401 for a server that wants its own key) means it is up.
+                async with self._session.get(ep.url + "/v1/models") as r:
+                    await r.read()
+                    ok, detail = r.status < 500, f"GET /v1/models answered {r.status}"
+            else:
+                async with self._session.get(ep.url + ep.names.health_path) as r:
+                    await r.read()
+                    ok, detail = r.status == 200, f"GET {ep.names.health_path} answered {r.status}"
+                if ok:
+                    async with self._session.get(ep.url + "/metrics") as r:
+                        text = await r.text()
+                        if r.status == 200:
+                            ep.apply_scrape(text, time.monotonic())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok, detail = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a scrape must never kill the watcher
+            log.exception("probing %s failed unexpectedly", ep.url)
+            ok, detail = False, repr(exc)
+        ep.healthy = ok
+        ep.health_detail = "ok" if ok else detail
+        if ok != was:
+            if ok:
+                log.info("endpoint %s (%s) is ready", ep.url, ep.model)
+            else:
+                log.warning("endpoint %s (%s) is not ready: %s", ep.url, ep.model, detail)

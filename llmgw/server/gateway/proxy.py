@@ -1,0 +1,459 @@
+"""The request path: read, authenticate, resolve the model, choose an endpoint, proxy, record.
+
+Nothing here waits on the database. The body is parsed once; it is re-encoded
+only when something in it has to change (the upstream model name, or asking
+the engine for usage on a stream). Streams are passed through as the engine
+wrote them, event by event; only the usage event is looked into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from llmgw.config.server import ServerConfig
+from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
+from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
+from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.usage import UsageRecorder
+from llmgw.server.metrics import GatewayMetrics
+from llmgw.store import UsageRow
+
+log = logging.getLogger("llmgw.gateway")
+
+_perf = time.perf_counter
+
+# Upstream answers that say "this endpoint cannot take it now" rather than
+# "this request is wrong": worth another endpoint, and counted by the breaker.
+_RETRYABLE_STATUS = frozenset({502, 503, 504})
+
+# Headers of an engine's reply that describe the connection, not the content.
+_HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
+    "server", "date", "proxy-authenticate", "upgrade", "trailer", "te",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    aliases: tuple[str, ...]
+    description: str | None
+    max_output: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One OpenAI route: its upstream path and what its body must hold."""
+
+    name: str
+    path: str
+    required: str  # the field without which the request makes no sense
+    streams: bool
+
+
+CHAT = Route("chat", "/v1/chat/completions", "messages", True)
+COMPLETIONS = Route("completions", "/v1/completions", "prompt", True)
+EMBEDDINGS = Route("embeddings", "/v1/embeddings", "input", False)
+
+
+class _StreamCut(Exception):
+    """The engine's stream broke after the client had already received bytes."""
+
+
+class Gateway:
+    def __init__(self, config: ServerConfig, keys: KeyCache | None, endpoints: EndpointSet,
+                 usage: UsageRecorder | None, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.keys = keys if config.auth.enabled else None
+        self.endpoints = endpoints
+        self.usage = usage
+        self.metrics = metrics
+        self.max_body = config.router.max_body_bytes
+        self.retries = config.router.retries
+        self.models: dict[str, ServedModel] = {}
+        for m in config.models:
+            served = ServedModel(m.name, tuple(m.aliases), m.description, m.max_output)
+            for name in (m.name, *m.aliases):
+                self.models[name] = served
+        self._models_body = self._render_models()
+        t = config.timeouts
+        self._timeout = aiohttp.ClientTimeout(total=t.generation, sock_connect=t.connect)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _render_models(self) -> bytes:
+        data = []
+        for m in self.config.models:
+            for name in (m.name, *m.aliases):
+                entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+                if name != m.name:
+                    entry["alias_of"] = m.name
+                if m.description is not None:
+                    entry["description"] = m.description
+                if m.max_output is not None:
+                    entry["max_output"] = m.max_output
+                data.append(entry)
+        return orjson.dumps({"object": "list", "data": data})
+
+    async def start(self) -> None:
+        # No per-host limit: the engines queue for themselves and report it.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                              auto_decompress=False, skip_auto_headers=("User-Agent",))
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self._handler(CHAT))
+        app.router.add_post("/v1/completions", self._handler(COMPLETIONS))
+        app.router.add_post("/v1/embeddings", self._handler(EMBEDDINGS))
+        app.router.add_get("/v1/models", self.list_models)
+
+    # -- small handlers ---------------------------------------------------
+
+    def _authenticate(self, request: web.Request) -> Principal:
+        if self.keys is None:
+            return ANONYMOUS
+        return self.keys.authenticate(request.headers.get("Authorization"))
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        t0 = _perf()
+        try:
+            self._authenticate(request)
+        except AuthError as exc:
+            return error_response(401, exc.message, exc.code)
+        resp = web.Response(body=self._models_body, content_type="application/json")
+        resp.headers["Server-Timing"] = f"gateway;dur={(_perf() - t0) * 1000:.3f}"
+        return resp
+
+    # -- the proxy ----------------------------------------------------------
+
+    def _handler(self, route: Route):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._proxy(request, route)
+        return handle
+
+    def _refuse(self, route: Route, model: str, status: int, message: str, code: str | None,
+                param: str | None = None) -> web.Response:
+        self.metrics.count_request(model, route.name, status)
+        return error_response(status, message, code, param)
+
+    async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
+        t0 = _perf()
+        try:
+            principal = self._authenticate(request)
+        except AuthError as exc:
+            return self._refuse(route, "", 401, exc.message, exc.code)
+
+        if request.content_length is not None and request.content_length > self.max_body:
+            return self._too_large(route)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._too_large(route)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return self._refuse(route, "", 400, f"the request body is not valid JSON: {exc}", "invalid_json")
+        if not isinstance(body, dict):
+            return self._refuse(route, "", 400, "the request body should be a JSON object", "invalid_request")
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            return self._refuse(route, "", 400, "'model' is required: the name of a model from GET /v1/models",
+                                "missing_field", "model")
+        served = self.models.get(name)
+        if served is None:
+            return self._refuse(route, "", 404, f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
+                                "model_not_found", "model")
+        if route.required not in body:
+            return self._refuse(route, served.name, 400, f"'{route.required}' is required for {route.path}",
+                                "missing_field", route.required)
+        if route.name == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
+            return self._refuse(route, served.name, 400, "'messages' should be a non-empty list of messages",
+                                "invalid_request", "messages")
+        stream = body.get("stream", False) if route.streams else False
+        if not isinstance(stream, bool):
+            return self._refuse(route, served.name, 400, "'stream' should be true or false", "invalid_request", "stream")
+        if served.max_output is not None:
+            for field in ("max_tokens", "max_completion_tokens"):
+                asked = body.get(field)
+                if isinstance(asked, int) and asked > served.max_output:
+                    return self._refuse(route, served.name, 400,
+                                        f"{field} is {asked}, but this model allows at most {served.max_output}",
+                                        "max_tokens_too_large", field)
+
+        client_wants_usage = True
+        changed = False
+        if stream:
+            opts = body.get("stream_options")
+            if opts is None:
+                opts = {}
+            elif not isinstance(opts, dict):
+                return self._refuse(route, served.name, 400, "'stream_options' should be an object",
+                                    "invalid_request", "stream_options")
+            client_wants_usage = opts.get("include_usage") is True
+            if not client_wants_usage:
+                body["stream_options"] = {**opts, "include_usage": True}
+                changed = True
+        return await self._forward(request, route, principal, served, name, body, raw, changed, stream,
+                                   client_wants_usage, t0)
+
+    def _too_large(self, route: Route) -> web.Response:
+        return self._refuse(route, "", 413, f"the request body is larger than the {self.max_body} bytes this gateway accepts "
+                            "(router.max_body_bytes)", "request_too_large")
+
+    async def _forward(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
+                       asked: str, body: dict, raw: bytes, changed: bool, stream: bool,
+                       client_wants_usage: bool, t0: float) -> web.StreamResponse:
+        assert self._session is not None
+        tried: tuple[Endpoint, ...] = ()
+        upstream_time = 0.0
+        last_error = "no endpoint of this model is ready"
+        last_status = 503
+        attempts = 1 + self.retries
+        for attempt in range(attempts):
+            ep = self.endpoints.choose(served.name, tried)
+            if ep is None:
+                break
+            if attempt:
+                self.metrics.retries.labels(served.name).inc()
+            tried += (ep,)
+            upstream_model = ep.upstream_model or served.name
+            if body.get("model") != upstream_model:
+                body["model"] = upstream_model
+                changed = True
+            payload = orjson.dumps(body) if changed else raw
+            ep.inflight += 1
+            t_up = _perf()
+            try:
+                try:
+                    upstream = await self._session.post(ep.url + route.path, data=payload,
+                                                        headers={"Content-Type": "application/json"})
+                except aiohttp.ConnectionTimeoutError as exc:
+                    # Could not even connect: another endpoint may well answer.
+                    upstream_time += _perf() - t_up
+                    ep.record_failure("connect timed out")
+                    last_error, last_status = f"the engine could not be reached: {exc}", 502
+                    continue
+                except asyncio.TimeoutError:
+                    upstream_time += _perf() - t_up
+                    ep.record_failure("timed out")
+                    # The engine may simply be slow; trying another one would double the wait.
+                    return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, 504,
+                                              f"the engine did not answer within {self.config.timeouts.generation:g}s "
+                                              "(timeouts.generation)", "upstream_timeout")
+                except aiohttp.ClientError as exc:
+                    upstream_time += _perf() - t_up
+                    ep.record_failure(str(exc) or type(exc).__name__)
+                    last_error, last_status = f"the engine could not be reached: {exc}", 502
+                    continue
+                if upstream.status in _RETRYABLE_STATUS and attempt + 1 < attempts:
+                    detail = (await upstream.read())[:200]
+                    upstream.release()
+                    upstream_time += _perf() - t_up
+                    ep.record_failure(f"answered {upstream.status}")
+                    last_error, last_status = f"the engine answered {upstream.status}: {detail.decode(errors='replace')}", 502
+                    continue
+                if stream and upstream.status == 200 and upstream.content_type == "text/event-stream":
+                    return await self._stream(request, route, principal, served, asked, ep, upstream,
+                                              client_wants_usage, t0, t_up, upstream_time)
+                return await self._whole(route, principal, served, asked, ep, upstream, stream, t0, t_up, upstream_time)
+            except asyncio.CancelledError:
+                # The client went away; aiohttp cancels the handler, which drops the
+                # engine request too, so the engine stops working for nobody.
+                self.metrics.count_request(served.name, route.name, 499)
+                self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, stream)
+                raise
+            finally:
+                ep.inflight -= 1
+                ep.trial_inflight = False
+        if not tried:
+            status, message, code = 503, f"no endpoint of model '{served.name}' is ready; try again shortly", "no_healthy_endpoint"
+        else:
+            status, message, code = last_status, last_error, "upstream_unavailable"
+        return self._finish_error(route, principal, served, asked, tried[-1] if tried else None, stream, t0,
+                                  upstream_time, status, message, code)
+
+    def _finish_error(self, route: Route, principal: Principal, served: ServedModel, asked: str,
+                      ep: Endpoint | None, stream: bool, t0: float, upstream_time: float, status: int,
+                      message: str, code: str) -> web.Response:
+        resp = error_response(status, message, code)
+        elapsed = _perf() - t0
+        resp.headers["Server-Timing"] = _timing(elapsed - upstream_time, upstream_time)
+        self.metrics.count_request(served.name, route.name, status)
+        if ep is not None:
+            # It reached an engine, so it is usage: an operator wants to see failures per key.
+            self._record(principal, served, asked, ep, 0, 0, elapsed, None, status, stream)
+        return resp
+
+    async def _whole(self, route: Route, principal: Principal, served: ServedModel, asked: str, ep: Endpoint,
+                     upstream: aiohttp.ClientResponse, stream: bool, t0: float, t_up: float,
+                     upstream_before: float) -> web.StreamResponse:
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            upstream.release()
+            ep.record_failure(str(exc) or type(exc).__name__)
+            upstream_time = upstream_before + _perf() - t_up
+            status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, status,
+                                      f"the engine's reply broke off: {exc or type(exc).__name__}", "upstream_error")
+        t_done = _perf()
+        upstream.release()
+        status = upstream.status
+        if status in _RETRYABLE_STATUS:
+            ep.record_failure(f"answered {status}")
+        else:
+            ep.record_success()
+        prompt = completion = 0
+        if status == 200 and upstream.content_type == "application/json":
+            try:
+                usage = orjson.loads(data).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):
+                usage = None
+            if isinstance(usage, dict):
+                prompt, completion = _tokens(usage)
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        resp = web.Response(status=status, body=data, headers=headers)
+        upstream_time = upstream_before + t_done - t_up
+        elapsed = _perf() - t0
+        resp.headers["Server-Timing"] = _timing(elapsed - upstream_time, upstream_time)
+        self.metrics.overhead.observe(elapsed - upstream_time)
+        self.metrics.count_request(served.name, route.name, status)
+        self.metrics.observe_latency(served.name, elapsed)
+        self.metrics.count_tokens(served.name, prompt, completion)
+        self._record(principal, served, asked, ep, prompt, completion, elapsed, None, status, stream)
+        return resp
+
+    async def _stream(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
+                      asked: str, ep: Endpoint, upstream: aiohttp.ClientResponse, client_wants_usage: bool,
+                      t0: float, t_up: float, upstream_before: float) -> web.StreamResponse:
+        t_headers = _perf()
+        resp = web.StreamResponse(status=200)
+        resp.content_type = "text/event-stream"
+        resp.headers["Cache-Control"] = "no-cache"
+        # Tells nginx not to buffer: a buffered stream arrives in one burst at the end.
+        resp.headers["X-Accel-Buffering"] = "no"
+        upstream_time = upstream_before + t_headers - t_up
+        own = _perf() - t0 - upstream_time
+        resp.headers["Server-Timing"] = _timing(own, upstream_time)
+        prompt = completion = 0
+        ttft: float | None = None
+        status = 200
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            upstream.close()
+            ep.record_success()
+            self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, True)
+            self.metrics.count_request(served.name, route.name, 499)
+            return resp
+        pending = b""
+        try:
+            try:
+                async for chunk in upstream.content.iter_any():
+                    data = pending + chunk if pending else chunk
+                    cut = data.rfind(b"\n\n")
+                    if cut < 0:
+                        pending = data
+                        continue
+                    cut += 2
+                    out, pending = data[:cut], data[cut:]
+                    if b'"usage"' in out:
+                        out, usage = _take_usage(out, strip=not client_wants_usage)
+                        if usage is not None:
+                            prompt, completion = _tokens(usage)
+                        if not out:
+                            continue
+                    await resp.write(out)
+                    if ttft is None:
+                        ttft = _perf() - t0
+                if pending:
+                    await resp.write(pending)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectionResetError):
+                    raise
+                # The engine went away mid-stream. The client already has bytes, so no
+                # retry is possible; it sees the stream end early.
+                ep.record_failure(f"stream broke off: {exc or type(exc).__name__}")
+                status = 502
+                raise _StreamCut from exc
+            await resp.write_eof()
+            ep.record_success()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            # The client left: drop the engine request with it so it stops generating.
+            status = 499
+            ep.record_success()
+        except _StreamCut:
+            log.warning("stream from %s (%s) broke off after the first byte", ep.url, served.name)
+            request.transport and request.transport.close()
+        finally:
+            upstream.close()
+        elapsed = _perf() - t0
+        self.metrics.overhead.observe(own)
+        self.metrics.count_request(served.name, route.name, status)
+        self.metrics.observe_latency(served.name, elapsed)
+        if ttft is not None:
+            self.metrics.observe_ttft(served.name, ttft)
+        self.metrics.count_tokens(served.name, prompt, completion)
+        self._record(principal, served, asked, ep, prompt, completion, elapsed, ttft, status, True)
+        return resp
+
+    def _record(self, principal: Principal, served: ServedModel, asked: str, ep: Endpoint, prompt: int,
+                completion: int, elapsed: float, ttft: float | None, status: int, stream: bool) -> None:
+        if self.usage is None:
+            return
+        self.usage.record(UsageRow(
+            key_id=principal.key_id, project=principal.project, model=asked, served_model=served.name,
+            endpoint=ep.url, prompt_tokens=prompt, completion_tokens=completion,
+            latency_ms=elapsed * 1000.0, ttft_ms=None if ttft is None else ttft * 1000.0,
+            status=status, stream=stream,
+        ))
+
+
+def _timing(own: float, upstream: float) -> str:
+    return f"gateway;dur={own * 1000:.3f}, upstream;dur={upstream * 1000:.3f}"
+
+
+def _tokens(usage: dict) -> tuple[int, int]:
+    prompt = usage.get("prompt_tokens") or 0
+    completion = usage.get("completion_tokens") or 0
+    return (prompt if isinstance(prompt, int) else 0, completion if isinstance(completion, int) else 0)
+
+
+def _take_usage(block: bytes, strip: bool) -> tuple[bytes, dict | None]:
+    """Find the usage in a run of complete SSE events; drop the usage-only event when asked.
+
+    Only events that carry a usage object are decoded; the rest are passed on
+    byte for byte.
+    """
+    usage = None
+    kept: list[bytes] = []
+    dropped = False
+    for event in block.split(b"\n\n"):
+        if not event:
+            continue
+        if b'"usage"' in event and event.startswith(b"data:"):
+            try:
+                obj = orjson.loads(event[5:])
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                usage = obj["usage"]
+                if strip and not obj.get("choices"):
+                    dropped = True
+                    continue
+        kept.append(event)
+    if not dropped:
+        return block, usage
+    return b"".join(e + b"\n\n" for e in kept), usage
