@@ -72,6 +72,8 @@ class EndpointConfig(_Block):
 
 
 class ModelConfig(_Block):
+    """A model clients can ask for, and where it is served."""
+
     name: str = Field(description="The catalog name clients send as `model`.")
     aliases: list[str] = Field(default_factory=list, description="Other names a client may send.")
     description: str | None = Field(default=None, description="Shown in /v1/models when set.")
@@ -96,6 +98,8 @@ class ModelConfig(_Block):
 
 
 class AuthConfig(_Block):
+    """API keys and where they, and usage, are stored."""
+
     enabled: bool = Field(default=True, description="Require an API key on every API request.")
     store: str = Field(
         default=DEFAULT_STORE,
@@ -112,11 +116,15 @@ class AuthConfig(_Block):
 
 
 class BreakerConfig(_Block):
+    """When an endpoint that keeps failing is taken out of rotation."""
+
     failures: int = Field(default=3, ge=1, description="Consecutive failures that take an endpoint out.")
     cooldown: Duration = Field(default=10.0, description="How long an endpoint stays out before a trial request.")
 
 
 class RouterConfig(_Block):
+    """How requests are read and sent to endpoints."""
+
     max_body_bytes: ByteSize = Field(default=32 * 1024 * 1024, description="Largest request body read.")
     scrape_interval: Duration = Field(default=1.0, description="How often each engine's /metrics is read.")
     metrics_stale_after: Duration = Field(
@@ -130,6 +138,8 @@ class RouterConfig(_Block):
 
 
 class TimeoutsConfig(_Block):
+    """The gateway's own limits on engines."""
+
     connect: Duration = Field(default=5.0, description="Connecting to an engine.")
     generation: Duration = Field(
         default=600.0,
@@ -140,6 +150,8 @@ class TimeoutsConfig(_Block):
 
 
 class UsageConfig(_Block):
+    """How usage rows are written to the store."""
+
     flush_interval: Duration = Field(default=1.0, description="How often usage rows are written.")
     batch_size: int = Field(default=500, ge=1, description="Rows written per statement at most.")
     queue_limit: int = Field(
@@ -148,6 +160,8 @@ class UsageConfig(_Block):
 
 
 class ServerConfig(_Block):
+    """server.yaml."""
+
     listen: Listen = Field(default=parse_listen(":8080"), description="Client API (OpenAI-compatible).")
     admin_listen: Listen = Field(
         default=parse_listen("127.0.0.1:9090"), description="Admin API and metrics; loopback by default."
@@ -159,7 +173,7 @@ class ServerConfig(_Block):
     router: RouterConfig = Field(default_factory=RouterConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     usage: UsageConfig = Field(default_factory=UsageConfig)
-    models: list[ModelConfig] = Field(default_factory=list)
+    models: list[ModelConfig] = Field(default_factory=list, description="The models served, with their engines.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "ServerConfig":

@@ -120,3 +120,10 @@ def test_parse_duration_bad(bad):
 @pytest.mark.parametrize("text,n", [("32MiB", 32 << 20), (1000, 1000), ("1.5KB", 1500), ("2GiB", 2 << 30)])
 def test_parse_size(text, n):
     assert parse_size(text) == n
+
+
+def test_reference_is_current():
+    from llmgw.config.reference import render
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == render(), (
+        "docs/configuration.md is out of date: run python -m llmgw.config.reference > docs/configuration.md")

@@ -1,0 +1,113 @@
+"""The configuration reference (docs/configuration.md), generated from the models.
+
+Generating it means it cannot describe a key that does not exist or miss one
+that does; a test regenerates it and compares.
+Run `python -m llmgw.config.reference > docs/configuration.md` after changing a model.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from llmgw.config.server import ServerConfig
+from llmgw.config.types import ListenAddress
+
+_HEADER = """# Configuration reference: server.yaml
+
+Generated from the configuration models by `python -m llmgw.config.reference`;
+a test fails when this file and the code disagree. Durations are written like
+`30s`, `10m`, `250ms` or a number of seconds; sizes like `32MiB` or a number of
+bytes; addresses like `:8080`, `127.0.0.1:9090` or `[::1]:9090`. An unknown key
+or a value of the wrong type stops the server at start with the key's full path.
+See `examples/server.yaml` for a complete file.
+"""
+
+
+def _type_name(annotation: Any, info: FieldInfo) -> str:
+    meta = " ".join(type(m).__name__ for m in info.metadata)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        inner = " or ".join(_type_name(a, FieldInfo()) for a in args)
+        return f"{inner} or null"
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0], info)
+    if origin is list:
+        (arg,) = typing.get_args(annotation)
+        return f"list of {_type_name(arg, FieldInfo())}"
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
+    if annotation is ListenAddress:
+        return "address"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "block"
+    if annotation is float and "BeforeValidator" in meta:
+        return "duration"
+    if annotation is int and "BeforeValidator" in meta:
+        return "size"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(info: FieldInfo, kind: str = "") -> str:
+    if info.default is PydanticUndefined:
+        if info.default_factory is not None:
+            value = info.default_factory()
+            if isinstance(value, BaseModel):
+                return ""
+            return f"`{value!r}`" if value != [] else "`[]`"
+        return "required"
+    value = info.default
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, ListenAddress):
+        return f'`"{value}"`'
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if kind == "duration":
+        return f"`{value:g}s`"
+    if kind == "size" and value % (1 << 20) == 0:
+        return f"`{value >> 20}MiB`"
+    return f"`{value}`"
+
+
+def _walk(model: type[BaseModel], prefix: str, rows: list[tuple[str, str, str, str]]) -> None:
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        hints = typing.get_type_hints(model, include_extras=True)
+        full = hints.get(name, annotation)
+        path = f"{prefix}{name}"
+        inner = annotation
+        if typing.get_origin(annotation) is list:
+            (inner,) = typing.get_args(annotation)
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                rows.append((path, "list", _default(info), info.description or ""))
+                _walk(inner, f"{path}[].", rows)
+                continue
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            rows.append((path, "block", "", info.description or (inner.__doc__ or "").strip()))
+            _walk(inner, f"{path}.", rows)
+            continue
+        kind = _type_name(full, info)
+        rows.append((path, kind, _default(info, kind), info.description or ""))
+
+
+def render() -> str:
+    rows: list[tuple[str, str, str, str]] = []
+    _walk(ServerConfig, "", rows)
+    out = [_HEADER, "| key | type | default | meaning |", "|---|---|---|---|"]
+    for path, kind, default, desc in rows:
+        cell = desc.replace("|", "\\|")
+        out.append(f"| `{path}` | {kind} | {default} | {cell} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,142 @@
+"""Real processes for end-to-end tests: llama-server engines and `llmgw server`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require(what: str, reason: str) -> None:
+    """Skip when something is missing, except where the run demands the full suite (CI)."""
+    if os.environ.get("LLMGW_REQUIRE_E2E") == "1":
+        pytest.fail(f"{what} is required for this run: {reason}")
+    pytest.skip(reason)
+
+
+def wait_http(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None,
+              status: int = 200) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{tail}")
+        try:
+            r = httpx.get(url, timeout=2.0)
+            last = r.status_code
+            if r.status_code == status:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    raise TimeoutError(f"{url} did not answer {status} within {timeout}s (last: {last})\n{tail}")
+
+
+class Proc:
+    def __init__(self, cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> None:
+        self.cmd = cmd
+        self.log = log
+        self._logf = open(log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=cwd)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.alive():
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise AssertionError(f"{self.cmd[0]} did not stop within {timeout}s of signal {sig}")
+        self._logf.close()
+        return self.proc.returncode
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class LlamaServer(Proc):
+    def __init__(self, binary: Path, model: Path, workdir: Path, alias: str, extra: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+               "--ctx-size", "2048", "--parallel", "2", "--jinja", "--metrics", "--alias", alias,
+               "--threads", "1", *extra]
+        super().__init__(cmd, workdir / f"llama-server-{self.port}.log")
+
+    def wait_ready(self, timeout: float = 120.0) -> "LlamaServer":
+        wait_http(self.url + "/health", self.proc, timeout, self.log)
+        return self
+
+
+def llmgw_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "llmgw.cli.main", *args]
+
+
+class Gateway(Proc):
+    """`llmgw server` in its own process, with a server.yaml written for the test."""
+
+    def __init__(self, workdir: Path, models: list[dict], store: str | None = None, **overrides) -> None:
+        self.port, self.admin_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        self.store = store or str(workdir / "llmgw.db")
+        cfg = {
+            "listen": f"127.0.0.1:{self.port}",
+            "admin_listen": f"127.0.0.1:{self.admin_port}",
+            "metrics_listen": None,
+            "auth": {"enabled": True, "store": self.store},
+            "router": {"scrape_interval": "250ms", "breaker": {"failures": 2, "cooldown": "30s"}},
+            "usage": {"flush_interval": "200ms"},
+            "models": models,
+        }
+        for k, v in overrides.items():
+            if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+                cfg[k] = {**cfg[k], **v}
+            else:
+                cfg[k] = v
+        self.config = workdir / f"server-{self.port}.yaml"
+        self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        super().__init__(llmgw_cmd("server", "--config", str(self.config)), workdir / f"gateway-{self.port}.log")
+
+    def wait_up(self, timeout: float = 30.0, ready: bool = True) -> "Gateway":
+        wait_http(self.admin + "/health", self.proc, timeout, self.log)
+        if ready:
+            wait_http(self.url + "/ready", self.proc, timeout, self.log)
+        return self
+
+    def keys(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(llmgw_cmd("keys", *args, "--config", str(self.config)), capture_output=True,
+                              text=True, timeout=60)
+
+    def create_key(self, name: str = "test") -> str:
+        r = self.keys("create", "--name", name)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().splitlines()[-1]
