@@ -117,7 +117,7 @@ class Server:
         assert self.gateway is not None
         # aiohttp refuses larger bodies itself too; the gateway answers in OpenAI's shape first.
         app = web.Application(client_max_size=self.config.router.max_body_bytes,
-                              middlewares=[_json_errors])
+                              middlewares=[_server_timing, _json_errors])
         self.gateway.add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
@@ -178,6 +178,17 @@ class Server:
 
 def _dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
+
+
+@web.middleware
+async def _server_timing(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Every client response says how long the gateway itself took; the proxy sets a
+    finer value (its own time apart from the engine's) on the responses it forwards."""
+    t0 = time.perf_counter()
+    resp = await handler(request)
+    if not resp.prepared and "Server-Timing" not in resp.headers:
+        resp.headers["Server-Timing"] = f"gateway;dur={(time.perf_counter() - t0) * 1000:.3f}"
+    return resp
 
 
 @web.middleware

@@ -137,6 +137,12 @@ class Gateway(Proc):
                               text=True, timeout=60)
 
     def create_key(self, name: str = "test") -> str:
+        """A new key, returned once the running server accepts it (it polls the store every second)."""
         r = self.keys("create", "--name", name)
         assert r.returncode == 0, r.stderr
-        return r.stdout.strip().splitlines()[-1]
+        secret = r.stdout.strip().splitlines()[-1]
+        deadline = time.monotonic() + 3.0
+        while httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}).status_code == 401:
+            assert time.monotonic() < deadline, "a new key was not accepted within three seconds"
+            time.sleep(0.05)
+        return secret

@@ -95,3 +95,21 @@ def test_breaker_opens_half_opens_and_closes():
     assert s.choose("m") is a
     a.record_success()
     assert not a.breaker_open and s.choose("m") is a and s.choose("m") is a
+
+
+FIXTURES = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+
+
+def test_captured_llamacpp_metrics():
+    ep = Endpoint("m", "http://x", "llamacpp", None)
+    ep.apply_scrape((FIXTURES / "llamacpp.txt").read_text(), time.monotonic())
+    assert ep.running == 0.0 and ep.waiting == 0.0
+    # This llama.cpp build no longer publishes KV-cache use: absent, not zero.
+    assert ep.kv_usage is None
+
+
+def test_vllm_metrics_fixture():
+    ep = Endpoint("m", "http://x", "vllm", None)
+    ep.apply_scrape((FIXTURES / "vllm.txt").read_text(), time.monotonic())
+    assert ep.running is not None and ep.waiting is not None
+    assert ep.kv_usage is not None and 0.0 <= ep.kv_usage <= 1.0

@@ -27,7 +27,8 @@ ANONYMOUS = Principal(key_id=None, key_prefix=None, project=None)
 
 class KeySource(Protocol):
     async def keys_generation(self) -> int: ...
-    async def list_keys(self, include_revoked: bool = True) -> Sequence: ...
+    async def active_keys(self) -> Sequence: ...
+    async def revoked_key_hashes(self) -> Sequence[tuple[str, datetime]]: ...
 
 
 class AuthError(Exception):
@@ -54,15 +55,9 @@ class KeyCache:
 
     async def load(self) -> None:
         generation = await self._source.keys_generation()
-        keys = await self._source.list_keys(include_revoked=True)
-        active: dict[str, Principal] = {}
-        revoked: dict[str, datetime] = {}
-        for k in keys:
-            if k.revoked_at is not None:
-                revoked[k.hash] = k.revoked_at
-            else:
-                active[k.hash] = Principal(key_id=k.id, key_prefix=k.prefix, project=k.project,
-                                           expires_at=k.expires_at)
+        active = {k.hash: Principal(key_id=k.id, key_prefix=k.prefix, project=k.project, expires_at=k.expires_at)
+                  for k in await self._source.active_keys()}
+        revoked = dict(await self._source.revoked_key_hashes())
         # Swap whole dicts: a request never sees a half-built table.
         self._active, self._revoked, self._generation = active, revoked, generation
 

@@ -127,14 +127,11 @@ class Gateway:
         return self.keys.authenticate(request.headers.get("Authorization"))
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
-        t0 = _perf()
         try:
             self._authenticate(request)
         except AuthError as exc:
             return error_response(401, exc.message, exc.code)
-        resp = web.Response(body=self._models_body, content_type="application/json")
-        resp.headers["Server-Timing"] = f"gateway;dur={(_perf() - t0) * 1000:.3f}"
-        return resp
+        return web.Response(body=self._models_body, content_type="application/json")
 
     # -- the proxy ----------------------------------------------------------
 
@@ -223,6 +220,10 @@ class Gateway:
         attempts = 1 + self.retries
         for attempt in range(attempts):
             ep = self.endpoints.choose(served.name, tried)
+            if ep is None and tried:
+                # Every endpoint has been tried once; one that is still in (its breaker
+                # closed) may have failed only on a stale pooled connection.
+                ep = self.endpoints.choose(served.name)
             if ep is None:
                 break
             if attempt:

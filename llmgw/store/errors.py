@@ -1,0 +1,43 @@
+"""Errors the store raises; each message says what was wrong and how to fix it."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .records import KeyRecord
+
+
+class StoreError(Exception):
+    """The store could not do what was asked; the message is meant for the user."""
+
+
+class KeyNotFound(StoreError):
+    """No key matched the given id or prefix."""
+
+
+class AmbiguousKey(StoreError):
+    """More than one key matched; `candidates` lists them."""
+
+    def __init__(self, message: str, candidates: list[KeyRecord]):
+        super().__init__(message)
+        self.candidates = candidates
+
+
+class KeyAlreadyRevoked(StoreError):
+    """The key was revoked before; `key` carries its record (with revoked_at)."""
+
+    def __init__(self, message: str, key: KeyRecord):
+        super().__init__(message)
+        self.key = key
+
+
+# scheme://user:PASSWORD@ — the password may hold an unescaped "@", so take the last one
+# before the path; greedy matching with backtracking does that.
+_PASSWORD_RE = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@\s]*:)[^\s/?#]*@")
+
+
+def mask_password(text: str) -> str:
+    """Replace the password of every URL in `text` with ***."""
+    return _PASSWORD_RE.sub(r"\g<pre>***@", text)

@@ -1,0 +1,305 @@
+"""The store's async API: API keys, usage rows and the keys generation counter."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime, timezone
+
+from sqlalchemy import bindparam, event, func, or_, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from .address import NUMERIC_PARAMS, resolve_store_address
+from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
+from .migrate import WRITE, upgrade_to_head
+from .records import KeyRecord, UsageRow, utcnow
+from .schema import KEYS_GENERATION, UTCDateTime, api_keys, store_state, usage
+
+SECRET_PREFIX = "llmgw-"
+PREFIX_LEN = 14           # the visible part of a secret: "llmgw-" and 8 random characters
+MIN_MATCH_LEN = 6         # shortest leading part of a prefix revoke_key accepts
+MAX_TEXT_LEN = 200        # key names and projects
+SQLITE_BUSY_TIMEOUT_S = 15.0
+
+_KEY_COLS = [c for c in api_keys.c if c.name != "hash"]
+_BUMP_GENERATION = (update(store_state).where(store_state.c.name == KEYS_GENERATION)
+                    .values(value=store_state.c.value + 1))
+_GENERATION = select(store_state.c.value).where(store_state.c.name == KEYS_GENERATION)
+_ACTIVE_KEYS = (select(api_keys)
+                .where(api_keys.c.revoked_at.is_(None),
+                       or_(api_keys.c.expires_at.is_(None),
+                           api_keys.c.expires_at > bindparam("now", type_=UTCDateTime())))
+                .order_by(api_keys.c.created_at, api_keys.c.id))
+# Only ever moves last_used_at forward, whatever order batches arrive in.
+_TOUCH_KEY = (update(api_keys)
+              .where(api_keys.c.id == bindparam("k_id"),
+                     or_(api_keys.c.last_used_at.is_(None),
+                         api_keys.c.last_used_at < bindparam("k_at", type_=UTCDateTime())))
+              .values(last_used_at=bindparam("k_at", type_=UTCDateTime())))
+
+
+def hash_secret(secret: str) -> str:
+    """The stored form of an API key secret: sha256, hex. Secrets are random enough
+    (240 bits) that a slow password hash would buy nothing and cost every request."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def _new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(30)  # 30 bytes -> exactly 40 characters
+
+
+def _check_text(what: str, value: object, required: bool) -> str | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise StoreError(f"The key {what} must be text, not {type(value).__name__}.")
+    value = value.strip()
+    if not value:
+        raise StoreError(f"The key {what} is empty; give a short {what} "
+                         "(for example the team or app that will use the key).")
+    if len(value) > MAX_TEXT_LEN:
+        raise StoreError(f"The key {what} is {len(value)} characters long; "
+                         f"keep it to at most {MAX_TEXT_LEN}.")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise StoreError(f"The key {what} contains control characters (such as a newline); "
+                         "use plain text on one line.")
+    return value
+
+
+def _shown_query(text: str) -> str:
+    # Someone may paste a whole secret; never echo it into an error or a log.
+    if text.startswith(SECRET_PREFIX) and len(text) > PREFIX_LEN:
+        return text[:PREFIX_LEN] + "…"
+    return text
+
+
+def _key(row, with_hash: bool = False) -> KeyRecord:
+    m = row._mapping
+    return KeyRecord(id=m["id"], name=m["name"], prefix=m["prefix"],
+                     hash=m["hash"] if with_hash else None, project=m["project"],
+                     created_at=m["created_at"], revoked_at=m["revoked_at"],
+                     last_used_at=m["last_used_at"], expires_at=m["expires_at"])
+
+
+def _describe_key(k: KeyRecord) -> str:
+    state = f", revoked {k.revoked_at.isoformat()}" if k.revoked_at else ""
+    return f"{k.id} ({k.name!r}, prefix {k.prefix}{state})"
+
+
+def _create_engine(url: str) -> AsyncEngine:
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite":
+        # The asyncpg dialect hands query values on as strings; these must be numbers.
+        numbers = {k: float(u.query[k]) for k in NUMERIC_PARAMS if k in u.query}
+        return create_async_engine(u.difference_update_query(numbers), connect_args=numbers)
+    engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        # Take BEGIN away from the sqlite3 module (it skips it for SELECT and DDL);
+        # _on_begin below emits it. WAL lets the server read while the CLI writes;
+        # synchronous stays FULL so a committed revocation survives a power cut.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE)
+                             else "BEGIN")
+
+    return engine
+
+
+def _shown_address(url: str) -> str:
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return u.database or url
+    return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
+
+
+class Store:
+    """Open with `await Store.open(address)`; every method is one short transaction."""
+
+    def __init__(self, engine: AsyncEngine, shown_address: str):
+        self._engine = engine
+        self._writer = engine.execution_options(**{WRITE: True})
+        self.address = shown_address  # for messages: a path, or a URL with the password masked
+
+    @classmethod
+    async def open(cls, address: str) -> Store:
+        url = resolve_store_address(address)
+        shown = _shown_address(url)
+        engine = _create_engine(url)
+        try:
+            await upgrade_to_head(engine, shown)
+        except StoreError:
+            await engine.dispose()
+            raise
+        except Exception as e:
+            await engine.dispose()
+            detail = mask_password(str(e.orig if isinstance(e, DBAPIError) else e) or type(e).__name__)
+            if engine.dialect.name == "sqlite":
+                hint = "check that the file is a SQLite database and that llmgw may write to it"
+            else:
+                hint = ("check that PostgreSQL is running there, that the database exists, "
+                        "and that the user and password are right")
+            raise StoreError(f"Could not open the store at {shown}: {detail.strip()}. "
+                             f"{hint[0].upper()}{hint[1:]}.") from e
+        return cls(engine, shown)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """For modules that add their own tables and queries to the store."""
+        return self._engine
+
+    # -- keys ----------------------------------------------------------------
+
+    async def create_key(self, name: str, project: str | None = None,
+                         expires_at: datetime | None = None) -> tuple[str, KeyRecord]:
+        """Make a key; returns (secret, record). The secret is not kept anywhere."""
+        name = _check_text("name", name, required=True)
+        project = _check_text("project", project, required=False)
+        now = utcnow()
+        if expires_at is not None:
+            if not isinstance(expires_at, datetime) or expires_at.tzinfo is None:
+                raise StoreError("The key expiry must be a timezone-aware datetime "
+                                 "(for example datetime.now(timezone.utc) + timedelta(days=30)).")
+            expires_at = expires_at.astimezone(timezone.utc)
+            if expires_at <= now:
+                raise StoreError(f"The key expiry {expires_at.isoformat()} is in the past; "
+                                 "give a time in the future.")
+        secret = _new_secret()
+        record = KeyRecord(id="key-" + secrets.token_hex(6), name=name, prefix=secret[:PREFIX_LEN],
+                           hash=None, project=project, created_at=now, expires_at=expires_at)
+        async with self._writer.begin() as conn:
+            await conn.execute(api_keys.insert().values(
+                id=record.id, name=name, prefix=record.prefix, hash=hash_secret(secret),
+                project=project, created_at=now, expires_at=expires_at))
+            await conn.execute(_BUMP_GENERATION)
+        return secret, record
+
+    async def list_keys(self, include_revoked: bool = True) -> list[KeyRecord]:
+        """All keys, oldest first, without their hashes."""
+        q = select(*_KEY_COLS).order_by(api_keys.c.created_at, api_keys.c.id)
+        if not include_revoked:
+            q = q.where(api_keys.c.revoked_at.is_(None))
+        async with self._engine.connect() as conn:
+            return [_key(r) for r in await conn.execute(q)]
+
+    async def revoke_key(self, id_or_prefix: str) -> KeyRecord:
+        """Revoke by exact id, by the visible prefix or a leading part of it (at least 6
+        characters), or by the full secret. Raises KeyNotFound, AmbiguousKey or
+        KeyAlreadyRevoked and then changes nothing."""
+        query = id_or_prefix.strip() if isinstance(id_or_prefix, str) else ""
+        if not query:
+            raise KeyNotFound("Give the id of the key to revoke (key-…) or the start of its "
+                              f"prefix (at least {MIN_MATCH_LEN} characters).")
+        cond = api_keys.c.id == query
+        if MIN_MATCH_LEN <= len(query) <= PREFIX_LEN:
+            # substr, not LIKE: LIKE treats "_" (a secret character) as a wildcard and
+            # ignores case on SQLite.
+            cond = or_(cond, func.substr(api_keys.c.prefix, 1, len(query)) == query)
+        elif len(query) > PREFIX_LEN and query.startswith(SECRET_PREFIX):
+            cond = or_(cond, api_keys.c.hash == hash_secret(query))
+        shown = _shown_query(query)
+        async with self._writer.begin() as conn:
+            found = [_key(r) for r in await conn.execute(
+                select(*_KEY_COLS).where(cond).order_by(api_keys.c.created_at, api_keys.c.id))]
+            exact = [k for k in found if k.id == query]
+            if exact:
+                found = exact
+            if not found:
+                short = (f" ('{shown}' is shorter than {MIN_MATCH_LEN} characters, so only "
+                         "ids were searched)" if len(query) < MIN_MATCH_LEN else "")
+                raise KeyNotFound(f"No API key matches '{shown}'{short}; give its id (key-…) or "
+                                  f"the start of its prefix (at least {MIN_MATCH_LEN} "
+                                  "characters), as the key list shows them.")
+            if len(found) > 1:
+                listing = "; ".join(_describe_key(k) for k in found)
+                raise AmbiguousKey(f"'{shown}' matches {len(found)} keys: {listing}. Give the id "
+                                   "of the one to revoke.", found)
+            key = found[0]
+            if key.revoked_at is None:
+                now = utcnow()
+                done = await conn.execute(update(api_keys)
+                                          .where(api_keys.c.id == key.id,
+                                                 api_keys.c.revoked_at.is_(None))
+                                          .values(revoked_at=now))
+                if done.rowcount == 1:
+                    await conn.execute(_BUMP_GENERATION)
+                    return replace(key, revoked_at=now)
+                # Another revoker committed between our read and our update (PostgreSQL).
+                key = _key((await conn.execute(
+                    select(*_KEY_COLS).where(api_keys.c.id == key.id))).one())
+        raise KeyAlreadyRevoked(f"The key {key.id} ({key.name!r}) was already revoked at "
+                                f"{key.revoked_at.isoformat()}; nothing changed.", key)
+
+    async def active_keys(self) -> list[KeyRecord]:
+        """Keys that authenticate now (not revoked, not expired), with their hashes."""
+        async with self._engine.connect() as conn:
+            return [_key(r, with_hash=True)
+                    for r in await conn.execute(_ACTIVE_KEYS, {"now": utcnow()})]
+
+    async def revoked_key_hashes(self) -> list[tuple[str, datetime]]:
+        """(hash, revoked_at) of every revoked key, so a server can say "revoked"
+        rather than "not valid" to a client still using one."""
+        q = select(api_keys.c.hash, api_keys.c.revoked_at).where(api_keys.c.revoked_at.is_not(None))
+        async with self._engine.connect() as conn:
+            return [(r.hash, r.revoked_at) for r in await conn.execute(q)]
+
+    async def keys_generation(self) -> int:
+        """A counter bumped with every key create and revoke: poll it, reload on change."""
+        async with self._engine.connect() as conn:
+            return int(await conn.scalar(_GENERATION))
+
+    # -- usage ---------------------------------------------------------------
+
+    async def insert_usage(self, rows: Sequence[UsageRow]) -> None:
+        """Insert a batch in one transaction and move each key's last_used_at to the
+        batch's latest time for it."""
+        if not rows:
+            return
+        values = [{"at": r.at, "key_id": r.key_id, "project": r.project, "model": r.model,
+                   "served_model": r.served_model, "endpoint": r.endpoint,
+                   "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+                   "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "status": r.status,
+                   "stream": r.stream} for r in rows]
+        latest: dict[str, datetime] = {}
+        for r in rows:
+            if r.key_id is not None and (r.key_id not in latest or r.at > latest[r.key_id]):
+                latest[r.key_id] = r.at
+        async with self._writer.begin() as conn:
+            await conn.execute(usage.insert(), values)
+            if latest:
+                # Sorted, so concurrent batches lock key rows in one order (no deadlock).
+                await conn.execute(_TOUCH_KEY, [{"k_id": k, "k_at": latest[k]}
+                                                for k in sorted(latest)])
+
+    async def list_usage(self, limit: int = 100, key_id: str | None = None) -> list[UsageRow]:
+        """Newest first."""
+        if limit < 1:
+            raise StoreError(f"The usage limit must be at least 1, not {limit}.")
+        q = select(usage).order_by(usage.c.at.desc(), usage.c.id.desc()).limit(limit)
+        if key_id is not None:
+            q = q.where(usage.c.key_id == key_id)
+        async with self._engine.connect() as conn:
+            return [UsageRow(**r._mapping) for r in await conn.execute(q)]
+
+    async def count_usage(self) -> int:
+        async with self._engine.connect() as conn:
+            return int(await conn.scalar(select(func.count()).select_from(usage)))
