@@ -29,8 +29,8 @@ def up(
     from llmgw import up as upmod
     from llmgw.server.app import StartError, install_loop, setup_logging
 
-    out = Console(highlight=False)
-    say = Console(stderr=True, highlight=False).print
+    # soft_wrap: the printed commands must stay copy-pasteable on narrow terminals and in pipes.
+    say = Console(stderr=True, highlight=False, soft_wrap=True).print
     wd = (workdir or upmod.default_dir()).expanduser()
     wd.mkdir(parents=True, exist_ok=True)
     engine = None
@@ -67,7 +67,7 @@ def up(
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
         def ready(secret: str) -> None:
-            out.print(upmod.instructions(base, secret, choice.name, config_path))
+            print(upmod.instructions(base, secret, choice.name, config_path))
             if choice.noise:
                 say("note: this is the tiny test model; its replies are noise.")
             sys.stdout.flush()
