@@ -52,10 +52,6 @@ def default_dir() -> Path:
     return Path(base) / "llmgw" / "up"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMGW_CACHE_DIR") or Path.home() / ".cache" / "llmgw")
-
-
 def hf_endpoint() -> str:
     # The same variable huggingface_hub reads, so an internal mirror works for both.
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
@@ -69,7 +65,7 @@ def free_port() -> int:
 
 def download_starter(progress: Callable[[int, int | None], None], say: Callable[[str], None]) -> Path | None:
     """The starter model, downloaded once (resumed when interrupted); None when it cannot be reached."""
-    target = cache_dir() / "models" / STARTER_FILE
+    target = llamacpp_source.cache_dir() / "models" / STARTER_FILE
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

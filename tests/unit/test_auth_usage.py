@@ -1,0 +1,127 @@
+import asyncio
+import hashlib
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pytest
+
+from llmgw.server.gateway.auth import AuthError, KeyCache
+from llmgw.server.gateway.usage import UsageRecorder
+from llmgw.store import UsageRow
+
+
+def _h(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class Source:
+    def __init__(self):
+        self.generation = 1
+        self.active = []
+        self.revoked = []
+        self.fail = False
+        self.loads = 0
+
+    async def keys_generation(self):
+        if self.fail:
+            raise ConnectionError("store is down")
+        return self.generation
+
+    async def active_keys(self):
+        self.loads += 1
+        return self.active
+
+    async def revoked_key_hashes(self):
+        return self.revoked
+
+
+def _key(secret, kid="key-1", expires=None):
+    return SimpleNamespace(hash=_h(secret), id=kid, prefix=secret[:14], project="p", expires_at=expires)
+
+
+async def test_authenticate_variants():
+    src = Source()
+    past = datetime.now(timezone.utc) - timedelta(minutes=1)
+    src.active = [_key("llmgw-good"), _key("llmgw-old", "key-2", expires=past)]
+    src.revoked = [(_h("llmgw-gone"), datetime(2026, 1, 2, 3, 4, tzinfo=timezone.utc))]
+    cache = KeyCache(src)
+    await cache.load()
+    assert cache.authenticate("Bearer llmgw-good").key_id == "key-1"
+    assert cache.authenticate("bearer  llmgw-good").project == "p"
+    for header, code in [(None, "missing_api_key"), ("", "missing_api_key"), ("Basic abc", "invalid_api_key"),
+                         ("Bearer ", "invalid_api_key"), ("Bearer llmgw-nope", "invalid_api_key"),
+                         ("Bearer llmgw-gone", "revoked_api_key"), ("Bearer llmgw-old", "expired_api_key")]:
+        with pytest.raises(AuthError) as ei:
+            cache.authenticate(header)
+        assert ei.value.code == code, header
+    with pytest.raises(AuthError, match="revoked on 2026-01-02 03:04 UTC"):
+        cache.authenticate("Bearer llmgw-gone")
+
+
+async def test_reload_only_on_generation_change_and_survives_store_outage():
+    src = Source()
+    src.active = [_key("llmgw-a")]
+    cache = KeyCache(src, poll_interval=0.02)
+    await cache.load()
+    cache.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert src.loads == 1  # nothing changed: nothing reloaded
+        src.active = [_key("llmgw-b")]
+        src.generation = 2
+        await asyncio.sleep(0.1)
+        assert src.loads == 2
+        with pytest.raises(AuthError):
+            cache.authenticate("Bearer llmgw-a")
+        src.fail = True
+        await asyncio.sleep(0.1)
+        assert cache.reload_failures > 0
+        assert cache.authenticate("Bearer llmgw-b").key_id == "key-1"  # still serving from memory
+    finally:
+        await cache.stop()
+
+
+def _row(i=0):
+    return UsageRow(model="m", endpoint="http://e", status=200, latency_ms=1.0, key_id=f"k{i}")
+
+
+class Sink:
+    def __init__(self):
+        self.batches = []
+        self.fail = 0
+
+    async def insert_usage(self, rows):
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("down")
+        self.batches.append(list(rows))
+
+
+async def test_usage_batches_and_retries_after_failure():
+    sink = Sink()
+    rec = UsageRecorder(sink, flush_interval=10, batch_size=3, queue_limit=100)
+    for i in range(7):
+        rec.record(_row(i))
+    sink.fail = 1
+    await rec.flush()
+    assert rec.pending == 7 and rec.failures == 1 and sink.batches == []
+    await rec.flush()
+    assert [len(b) for b in sink.batches] == [3, 3, 1]
+    assert [r.key_id for b in sink.batches for r in b] == [f"k{i}" for i in range(7)]  # order kept
+    assert rec.pending == 0 and rec.written == 7
+
+
+async def test_usage_queue_is_bounded():
+    rec = UsageRecorder(Sink(), queue_limit=100)
+    for i in range(150):
+        rec.record(_row(i))
+    assert rec.pending == 100 and rec.dropped == 50
+
+
+async def test_stop_flushes():
+    sink = Sink()
+    rec = UsageRecorder(sink, flush_interval=3600)
+    rec.start()
+    rec.record(_row())
+    await rec.stop()
+    assert len(sink.batches) == 1
