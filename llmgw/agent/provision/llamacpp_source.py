@@ -156,8 +156,16 @@ def verify_sdist(path: Path, expected: str | None = None) -> None:
 def download_sdist(dest: Path) -> Path:
     """Fetch the pinned sdist with pip (the one route to PyPI we can count on)."""
     dest.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    if getattr(sys, "frozen", False):
+        # In the one-file llmgw, sys.executable is llmgw itself, which has no pip.
+        python = shutil.which("python3") or shutil.which("python")
+        if python is None:
+            raise ProvisionError(
+                f"downloading llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} needs pip, and this "
+                "llmgw binary has none: install python3 with pip, or pass --sdist FILE")
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
         "--disable-pip-version-check",
         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dest),
     ]

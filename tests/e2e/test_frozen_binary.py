@@ -1,0 +1,168 @@
+"""The one-file `llmgw` built by build/pyinstaller.spec runs every role on its own.
+
+It is built fresh into a temporary folder (a couple of minutes), then run from a folder
+outside the checkout with no PYTHON* variables, so nothing can come from the source tree
+or the installed package: `--version`, `server` (store migrations, SQLite driver, uvloop,
+metrics), `keys create`, an authenticated request, and a clean stop on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import llmgw
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = REPO / "build" / "pyinstaller.spec"
+BUILD_TIMEOUT = 15 * 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment without anything that could point Python at the checkout."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+
+
+@pytest.fixture(scope="module")
+def frozen_llmgw(tmp_path_factory) -> Path:
+    if importlib.util.find_spec("PyInstaller") is None:
+        reason = "PyInstaller is not installed (pip install -e '.[test]')"
+        if os.environ.get("LLMGW_REQUIRE_E2E") == "1":
+            pytest.fail(f"PyInstaller is required for this run: {reason}")
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("frozen")
+    dist, work = out / "dist", out / "work"
+    cmd = [sys.executable, "-m", "PyInstaller", str(SPEC), "--noconfirm",
+           "--distpath", str(dist), "--workpath", str(work)]
+    started = time.monotonic()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        tail = ((exc.stdout or "") + (exc.stderr or ""))[-6000:]
+        pytest.fail(f"the PyInstaller build did not finish within {BUILD_TIMEOUT}s:\n{tail}")
+    took = time.monotonic() - started
+    binary = dist / "llmgw"
+    assert r.returncode == 0 and binary.is_file(), (
+        f"the PyInstaller build failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-6000:]}")
+    print(f"\nfrozen llmgw built in {took:.0f}s, {binary.stat().st_size / 2**20:.1f} MiB")
+    return binary
+
+
+def test_version(frozen_llmgw: Path, tmp_path: Path) -> None:
+    r = subprocess.run([str(frozen_llmgw), "--version"], cwd=tmp_path, env=_clean_env(),
+                       stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"llmgw --version exited {r.returncode}:\n{out}"
+    lines = r.stdout.strip().splitlines()
+    assert lines and lines[-1].strip().endswith(f"v{llmgw.__version__}"), out
+
+
+class _Server:
+    """`<frozen llmgw> server` with its output in a file, for the failure messages."""
+
+    def __init__(self, binary: Path, config: Path, workdir: Path) -> None:
+        self.log = workdir / "server.log"
+        self._logf = open(self.log, "wb")
+        self.proc = subprocess.Popen([str(binary), "server", "--config", str(config)], cwd=workdir,
+                                     env=_clean_env(), stdin=subprocess.DEVNULL, stdout=self._logf,
+                                     stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        self._logf.flush()
+        text = self.log.read_text(errors="replace")
+        return f"--- server output (exit code {self.proc.poll()}) ---\n{text[-8000:]}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._logf.close()
+
+
+def test_server_keys_and_stop(frozen_llmgw: Path, tmp_path: Path) -> None:
+    port, admin_port, engine_port = _free_port(), _free_port(), _free_port()
+    url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": f"127.0.0.1:{port}",
+        "admin_listen": f"127.0.0.1:{admin_port}",
+        "metrics_listen": None,
+        "auth": {"store": str(tmp_path / "llmgw.db")},
+        # Nothing listens there: the gateway is up but not ready.
+        "models": [{"name": "frozen-model",
+                    "endpoints": [{"url": f"http://127.0.0.1:{engine_port}", "engine": "vllm"}]}],
+    }, sort_keys=False))
+
+    server = _Server(frozen_llmgw, config, tmp_path)
+    try:
+        # Up: /health on the client listener. The first start extracts the bundle and
+        # migrates the store, so give it time.
+        deadline, last = time.monotonic() + 60, None
+        while True:
+            assert server.proc.poll() is None, f"the server exited before /health answered\n{server.output()}"
+            try:
+                last = httpx.get(url + "/health", timeout=2.0).status_code
+                if last == 200:
+                    break
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            assert time.monotonic() < deadline, (
+                f"/health did not answer 200 within 60s (last: {last})\n{server.output()}")
+            time.sleep(0.2)
+
+        r = httpx.get(url + "/ready", timeout=5.0)
+        assert r.status_code == 503, f"/ready answered {r.status_code} with no engine: {r.text}\n{server.output()}"
+
+        r = httpx.get(admin + "/metrics", timeout=5.0)
+        assert r.status_code == 200 and "llmgw_" in r.text, (
+            f"admin /metrics answered {r.status_code}: {r.text[:2000]}\n{server.output()}")
+
+        # A key made by the same binary, against the same store, while the server runs.
+        k = subprocess.run([str(frozen_llmgw), "keys", "create", "--name", "frozen", "--config", str(config)],
+                           cwd=tmp_path, env=_clean_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=60)
+        assert k.returncode == 0, (f"keys create exited {k.returncode}:\n{k.stdout}{k.stderr}\n"
+                                   f"{server.output()}")
+        lines = k.stdout.strip().splitlines()
+        secret = lines[-1].strip() if lines else ""
+        assert secret.startswith("llmgw-"), f"keys create printed no secret:\n{k.stdout}{k.stderr}"
+
+        # The server reads the key table every second.
+        deadline = time.monotonic() + 3.5
+        while True:
+            r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}, timeout=5.0)
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, f"/v1/models with the new key answered {r.status_code}: {r.text}\n{server.output()}"
+        ids = [m.get("id") for m in r.json().get("data", [])]
+        assert "frozen-model" in ids, f"/v1/models lists {ids}\n{server.output()}"
+
+        # SIGTERM to the bootloader reaches the server, which drains and exits 0.
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            code = server.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit within 20s of SIGTERM\n{server.output()}")
+        assert code == 0, f"the server exited {code} after SIGTERM\n{server.output()}"
+    finally:
+        server.close()
