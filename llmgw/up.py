@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -25,7 +24,7 @@ import httpx
 import yaml
 
 from llmgw.agent.provision import llamacpp_source
-from llmgw.server.app import Server
+from llmgw.server.app import Server, serve_until_stopped
 from llmgw.testing.tiny_model import tiny_model_path
 
 log = logging.getLogger("llmgw.up")
@@ -208,21 +207,13 @@ async def run_gateway(config_path: Path, key_name: str, on_ready: Callable[[str]
     """Start the gateway in this process, create the key, and serve until a signal."""
     from llmgw.config import load_server_config
 
-    cfg = load_server_config(config_path)
-    server = Server(cfg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    try:
+    async def make_key(server: Server) -> None:
         assert server.store is not None and server.keys is not None
         secret, _ = await server.store.create_key(key_name)
         await server.keys.load()
         on_ready(secret)
-        await stop.wait()
-    finally:
-        await server.stop()
+
+    await serve_until_stopped(load_server_config(config_path), make_key)
 
 
 def choose_model(model: str | None, name: str | None, say: Callable[[str], None],

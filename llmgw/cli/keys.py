@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
+from typing import TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from llmgw.cli.common import err, fail, resolve_store
+from llmgw.store import Store, StoreError
+
+T = TypeVar("T")
 
 app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
 
@@ -22,14 +27,23 @@ _STORE_HELP = "Store address (path, postgres:// URL or @file); default: auth.sto
 _CONFIG_HELP = "server.yaml whose auth.store to use (default /etc/llmgw/server.yaml when it exists)."
 
 
-async def _open(store: str | None, config: str | None):
-    from llmgw.store import Store
-
+def _with_store(store: str | None, config: str | None, op: Callable[[Store], Awaitable[T]]) -> T:
+    """Open the store (saying which setting chose it when that fails), run op, close."""
     address, chosen_by = resolve_store(store, config)
-    try:
-        return await Store.open(address)
-    except Exception as exc:
-        fail(f"cannot open the store chosen by {chosen_by}: {exc}")
+
+    async def run() -> T:
+        try:
+            s = await Store.open(address)
+        except Exception as exc:
+            fail(f"cannot open the store chosen by {chosen_by}: {exc}")
+        try:
+            return await op(s)
+        except (StoreError, LookupError, ValueError) as exc:
+            fail(str(exc))
+        finally:
+            await s.close()
+
+    return asyncio.run(run())
 
 
 def _parse_lifetime(text: str) -> timedelta | None:
@@ -52,23 +66,12 @@ def create(
 ) -> None:
     """Create an API key. The secret is printed once, alone on the last line of standard output; only its hash is kept."""
     lifetime = _parse_lifetime(expires_in)
-
-    async def run() -> None:
-        s = await _open(store, config)
-        try:
-            expires = datetime.now(timezone.utc) + lifetime if lifetime else None
-            try:
-                secret, rec = await s.create_key(name, project=project, expires_at=expires)
-            except ValueError as exc:
-                fail(str(exc))
-        finally:
-            await s.close()
-        err.print(f"created key {rec.id} ({rec.name}); it is shown once, keep it now", highlight=False)
-        if rec.expires_at:
-            err.print(f"expires {rec.expires_at:%Y-%m-%d %H:%M} UTC", highlight=False)
-        typer.echo(secret)
-
-    asyncio.run(run())
+    expires = datetime.now(timezone.utc) + lifetime if lifetime else None
+    secret, rec = _with_store(store, config, lambda s: s.create_key(name, project=project, expires_at=expires))
+    err.print(f"created key {rec.id} ({rec.name}); it is shown once, keep it now", highlight=False)
+    if rec.expires_at:
+        err.print(f"expires {rec.expires_at:%Y-%m-%d %H:%M} UTC", highlight=False)
+    typer.echo(secret)
 
 
 def _when(dt: datetime | None) -> str:
@@ -82,15 +85,7 @@ def list_(
     config: str = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
 ) -> None:
     """List API keys: id, name, visible prefix, project, state, when created and last used. Secrets are never shown."""
-
-    async def run():
-        s = await _open(store, config)
-        try:
-            return await s.list_keys(include_revoked=True)
-        finally:
-            await s.close()
-
-    keys = asyncio.run(run())
+    keys = _with_store(store, config, lambda s: s.list_keys(include_revoked=True))
     now = datetime.now(timezone.utc)
     rows = []
     for k in keys:
@@ -116,16 +111,5 @@ def revoke(
     config: str = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
 ) -> None:
     """Revoke an API key. A running server refuses it within two seconds."""
-    from llmgw.store import StoreError
-
-    async def run():
-        s = await _open(store, config)
-        try:
-            return await s.revoke_key(key)
-        except (StoreError, LookupError, ValueError) as exc:
-            fail(str(exc))
-        finally:
-            await s.close()
-
-    rec = asyncio.run(run())
+    rec = _with_store(store, config, lambda s: s.revoke_key(key))
     err.print(f"revoked key {rec.id} ({rec.name}, {rec.prefix}…)", highlight=False)

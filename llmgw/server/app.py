@@ -219,7 +219,8 @@ def install_loop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def serve_until_stopped(config: ServerConfig, on_started: Callable[[Server], None] | None = None) -> None:
+async def serve_until_stopped(config: ServerConfig,
+                              on_started: Callable[[Server], Awaitable[None]] | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain and stop."""
     server = Server(config)
     stop = asyncio.Event()
@@ -227,9 +228,9 @@ async def serve_until_stopped(config: ServerConfig, on_started: Callable[[Server
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    if on_started is not None:
-        on_started(server)
     try:
+        if on_started is not None:
+            await on_started(server)
         await stop.wait()
         log.info("stopping: finishing running requests (up to %gs)", config.timeouts.drain)
     finally:
