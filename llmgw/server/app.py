@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import logging
 import signal
 import time
@@ -228,6 +229,11 @@ async def serve_until_stopped(config: ServerConfig,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    # What exists now (imported modules, configuration) lives as long as the process:
+    # moving it out of the collector's sight stops full collections from walking it,
+    # which were 50-70 ms pauses every second under load.
+    gc.collect()
+    gc.freeze()
     try:
         if on_started is not None:
             await on_started(server)
