@@ -15,17 +15,17 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from llmgw.config.agent import AgentConfig
 from llmgw.config.server import ServerConfig
 from llmgw.config.types import ListenAddress
 
-_HEADER = """# Configuration reference: server.yaml
+_HEADER = """# Configuration reference: server.yaml and agent.yaml
 
 Generated from the configuration models by `python -m llmgw.config.reference`;
 a test fails when this file and the code disagree. Durations are written like
 `30s`, `10m`, `250ms` or a number of seconds; sizes like `32MiB` or a number of
 bytes; addresses like `:8080`, `127.0.0.1:9090` or `[::1]:9090`. An unknown key
-or a value of the wrong type stops the server at start with the key's full path.
-See `examples/server.yaml` for a complete file.
+or a value of the wrong type stops the process at start with the key's full path.
 """
 
 
@@ -91,22 +91,37 @@ def _walk(model: type[BaseModel], prefix: str, rows: list[tuple[str, str, str, s
                 rows.append((path, "list", _default(info), info.description or ""))
                 _walk(inner, f"{path}[].", rows)
                 continue
+        kind = "block"
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+                inner, kind = args[0], "block or null"
         if isinstance(inner, type) and issubclass(inner, BaseModel):
-            rows.append((path, "block", "", info.description or (inner.__doc__ or "").strip()))
+            rows.append((path, kind, "", info.description or (inner.__doc__ or "").strip()))
             _walk(inner, f"{path}.", rows)
             continue
         kind = _type_name(full, info)
         rows.append((path, kind, _default(info, kind), info.description or ""))
 
 
+_SECTIONS = (
+    ("server.yaml", ServerConfig, "The gateway (`llmgw server --config`). See `examples/server.yaml`."),
+    ("agent.yaml", AgentConfig, "The node agent (`llmgw agent --config`). A plain node's file holds only "
+     "`server` (or `servers`) and `tls`; every other key overrides what the agent finds out for itself."),
+)
+
+
 def render() -> str:
-    rows: list[tuple[str, str, str, str]] = []
-    _walk(ServerConfig, "", rows)
-    out = [_HEADER, "| key | type | default | meaning |", "|---|---|---|---|"]
-    for path, kind, default, desc in rows:
-        cell = desc.replace("|", "\\|")
-        out.append(f"| `{path}` | {kind} | {default} | {cell} |")
-    return "\n".join(out) + "\n"
+    out = [_HEADER]
+    for title, model, intro in _SECTIONS:
+        rows: list[tuple[str, str, str, str]] = []
+        _walk(model, "", rows)
+        out += [f"## {title}", "", intro, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for path, kind, default, desc in rows:
+            cell = desc.replace("|", "\\|")
+            out.append(f"| `{path}` | {kind} | {default} | {cell} |")
+        out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from llmgw.config.errors import ConfigError, format_validation_error
+from llmgw.config.loading import read_yaml, validate
 from llmgw.config.types import ByteSize, Duration, Listen, ListenAddress, parse_listen
 
 DEFAULT_STORE = "/var/lib/llmgw/llmgw.db"
@@ -200,29 +198,8 @@ def _overlap(a: ListenAddress, b: ListenAddress) -> bool:
 
 
 def parse_server_config(data: Any, source: str = "server.yaml") -> ServerConfig:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the file should hold a mapping of keys (listen:, auth:, models: ...), not a {type(data).__name__}")
-    try:
-        return ServerConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+    return validate(ServerConfig, data, source, "listen:, auth:, models:")
 
 
 def load_server_config(path: str | os.PathLike[str]) -> ServerConfig:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such file; pass --config with the path of your server.yaml (see examples/server.yaml)") from None
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot be read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{p}: not valid YAML{where}: {problem}") from None
-    return parse_server_config(data, str(p))
+    return parse_server_config(read_yaml(path, "server.yaml (see examples/server.yaml)"), str(path))
