@@ -1,0 +1,123 @@
+"""The stream to the control plane: dialling, failing over between addresses, backing off.
+
+A standby refusing, a stopped control plane refusing the connection and a
+crashed one never answering look the same from a node: each is a reason to
+try the next address. Backoff waits only once every address has just failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from llmgw.config.agent import AgentConfig
+
+log = logging.getLogger("llmgw.agent.client")
+
+STREAM_PATH = "/v1/agent/stream"
+
+Session = Callable[[aiohttp.ClientWebSocketResponse, str], Awaitable[None]]
+
+
+class LinkError(Exception):
+    """The agent cannot dial at all (bad TLS files); the message says what to fix."""
+
+
+def tls_context(cfg: AgentConfig) -> ssl.SSLContext | None:
+    if cfg.tls is None:
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=cfg.tls.ca)
+        ctx.load_cert_chain(cfg.tls.cert, cfg.tls.key)
+    except FileNotFoundError as exc:
+        raise LinkError(f"tls: {exc.filename} does not exist; issue the node's certificate with "
+                        "`llmgw ctl cert issue-client NODE` and copy it here") from None
+    except ssl.SSLError as exc:
+        raise LinkError(f"tls: the certificate files cannot be used: {exc.reason or exc}") from None
+    return ctx
+
+
+def next_delay(previous: float, base: float, cap: float) -> tuple[float, float]:
+    """(the wait, the new ceiling): exponential backoff with full jitter, never below a tenth of base."""
+    ceiling = min(cap, max(base, previous * 2))
+    return max(base / 10, random.uniform(0, ceiling)), ceiling
+
+
+class ControlPlaneLink:
+    def __init__(self, cfg: AgentConfig, session: Session, heartbeat: float = 20.0) -> None:
+        self.addresses = cfg.addresses()
+        self._ssl = tls_context(cfg)
+        self._session = session
+        self._base, self._cap = cfg.reconnect_base, cfg.reconnect_max
+        self._heartbeat = heartbeat
+        self.connected_to: str | None = None
+        self.last_error: str | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Hold a stream to some control plane until stop is set."""
+        ceiling = 0.0
+        async with aiohttp.ClientSession() as http:
+            while not stop.is_set():
+                served = False
+                for addr in self.addresses:
+                    if stop.is_set():
+                        return
+                    served = await self._attempt(http, addr, stop) or served
+                    if served:
+                        break  # a working session ended: start again from the preferred address
+                if stop.is_set():
+                    return
+                if served:
+                    ceiling = 0.0
+                    continue
+                delay, ceiling = next_delay(ceiling, self._base, self._cap)
+                log.info("no control plane answered; trying again in %.1fs", delay)
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def _attempt(self, http: aiohttp.ClientSession, addr: str, stop: asyncio.Event) -> bool:
+        """One connection; True when a session was established (whatever ended it)."""
+        url = addr + STREAM_PATH
+        try:
+            ws = await http.ws_connect(url, ssl=self._ssl if self._ssl is not None else True,
+                                       heartbeat=self._heartbeat, max_msg_size=64 << 20,
+                                       timeout=aiohttp.ClientWSTimeout(ws_close=5.0))
+        except aiohttp.WSServerHandshakeError as exc:
+            # The control plane answered and refused: a standby, or a certificate that
+            # names another node. Its words go to the operator as they are.
+            self.last_error = f"{addr} refused the stream ({exc.status}): {exc.message}"
+            log.warning("%s", self.last_error)
+            return False
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            self.last_error = f"{addr}: {type(exc).__name__}: {exc}"
+            log.warning("cannot reach the control plane at %s", self.last_error)
+            return False
+        self.connected_to = addr
+        log.info("connected to the control plane at %s", addr)
+        session = asyncio.create_task(self._session(ws, addr))
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not session.done():
+                session.cancel()
+            await ws.close()
+            try:
+                await session
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # a session error is not a clean close
+                self.last_error = f"{addr}: the session failed: {exc!r}"
+                log.warning("%s", self.last_error)
+            self.connected_to = None
+        if not stop.is_set():
+            log.warning("the stream to %s ended", addr)
+        return True
