@@ -1,0 +1,129 @@
+"""Where an engine's installation stands, in words a person can read.
+
+Every change is reported as it happens, download progress included: an
+install takes minutes, and one that is silent for minutes looks stuck.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+
+class State(str, enum.Enum):
+    INSTALLING = "installing"
+    READY = "ready"
+    FAILED = "failed"
+    # No build fits this machine, or the agent cannot install this engine.
+    UNSUPPORTED = "unsupported"
+    # Not meant for this node (vLLM without a GPU): nothing is wrong, and
+    # nothing should be shown as wrong.
+    SKIPPED = "skipped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ProvisionStatus:
+    engine: str
+    version: str
+    state: State
+    # What is happening or what went wrong, for a person.
+    detail: str = ""
+    variant: str = ""
+    # The executable once ready (absolute path).
+    binary: str = ""
+    # Download progress while installing; total is None when the server did
+    # not say how long the file is (no percentage is invented then).
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+
+    def to_wire(self) -> dict:
+        """The fields of ``llmgw.protocol.ProvisionStatus``; absent means unknown.
+
+        ``binary`` stays on the node: the control plane has no use for a path.
+        """
+        d: dict = {"engine": self.engine, "state": self.state.value}
+        for k in ("version", "variant", "detail"):
+            if getattr(self, k):
+                d[k] = getattr(self, k)
+        if self.bytes_done is not None:
+            d["progress"] = {"bytes_done": self.bytes_done}
+            if self.bytes_total is not None:
+                d["progress"]["bytes_total"] = self.bytes_total
+        return d
+
+
+OnStatus = Callable[[ProvisionStatus], None]
+
+
+class ProvisionError(RuntimeError):
+    """An install failed; the message says what went wrong and what to do."""
+
+
+class Unsupported(ProvisionError):
+    """No build fits this machine (old driver, unknown architecture, unknown engine)."""
+
+
+class NotHere(ProvisionError):
+    """The engine is not meant for this node; reported as skipped, not as a fault."""
+
+
+class Unreachable(ProvisionError):
+    """The release server could not be reached at all (as opposed to refusing)."""
+
+
+class Reporter:
+    """Sends one engine's status to ``on_status`` each time it changes.
+
+    Download progress is rate-limited (``min_interval`` seconds) so a fast
+    local download does not flood the stream; a change of words, the first
+    and the last progress update always go out.
+    """
+
+    def __init__(
+        self,
+        status: ProvisionStatus,
+        on_status: OnStatus | None,
+        *,
+        min_interval: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        already_sent: ProvisionStatus | None = None,
+    ) -> None:
+        # already_sent: what the listener last heard for this engine, so a
+        # recheck that changes nothing says nothing.
+        self.status = status
+        self._on_status = on_status
+        self._min_interval = min_interval
+        self._clock = clock
+        self._last_sent: ProvisionStatus | None = already_sent
+        self._last_at = float("-inf")
+
+    def update(self, **changes) -> ProvisionStatus:
+        """Change fields and report; progress fields are cleared unless given."""
+        changes.setdefault("bytes_done", None)
+        changes.setdefault("bytes_total", None)
+        self.status = replace(self.status, **changes)
+        self._send(force=True)
+        return self.status
+
+    def installing(self, detail: str) -> None:
+        self.update(state=State.INSTALLING, detail=detail)
+
+    def progress(self, done: int, total: int | None) -> None:
+        self.status = replace(self.status, bytes_done=done, bytes_total=total)
+        first = self._last_sent is None or self._last_sent.bytes_done is None
+        last = total is not None and done >= total
+        self._send(force=first or last)
+
+    def _send(self, force: bool) -> None:
+        if self._on_status is None or self.status == self._last_sent:
+            return
+        now = self._clock()
+        if not force and now - self._last_at < self._min_interval:
+            return
+        self._last_sent, self._last_at = self.status, now
+        self._on_status(self.status)
