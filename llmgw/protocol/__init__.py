@@ -1,1 +1,120 @@
-"""Messages between the node agent and the control plane (pydantic), shared by both sides."""
+"""Messages between the node agent and the control plane (pydantic), shared by both sides.
+
+JSON over one WebSocket, one message per frame, in an envelope
+``{"type", "id", "payload"}`` (see ``codec``). Compatibility rules, because a
+fleet is upgraded one machine at a time:
+
+* fields are only ever added; an absent field means unknown, never a default;
+* unknown fields are ignored;
+* ``PROTOCOL_VERSION`` goes up when a message type or an enum value is added,
+  and each side only sends what the other's version knows;
+* ``FEATURES`` lists the requests an agent answers beyond register and
+  heartbeat, so a control plane never waits on an agent that cannot answer.
+"""
+
+from .codec import ProtocolError, Sender, decode, encode
+from .inventory import (
+    GPU,
+    HCA,
+    IMEX,
+    LINK_ETHERNET,
+    LINK_INFINIBAND,
+    NIC_PATH_ORDER,
+    GPUFabric,
+    GPUUsage,
+    Host,
+    IBPort,
+    MemoryInfo,
+    NodeInventory,
+    NodeLoad,
+    NodeSample,
+    NVLinkPeer,
+    ShardLoad,
+    Storage,
+)
+from .messages import (
+    MESSAGE_TYPES,
+    Ack,
+    ByteProgress,
+    DrainShard,
+    EngineProfile,
+    EngineWant,
+    FabricAttachment,
+    FetchProgress,
+    Heartbeat,
+    LocalWeights,
+    LogsReply,
+    LogsRequest,
+    Message,
+    Provision,
+    ProvisionState,
+    ProvisionStatus,
+    Register,
+    RemoveWeights,
+    RunningShard,
+    ShardState,
+    ShardStatus,
+    StartShard,
+    StopShard,
+)
+
+PROTOCOL_VERSION = 1
+
+FEATURE_LOGS = "logs"
+FEATURE_REMOVE_WEIGHTS = "remove-weights"
+FEATURE_DRAIN = "drain"
+# What this build's agent answers. A request whose feature the agent did not
+# list is not sent to it.
+FEATURES: tuple[str, ...] = (FEATURE_LOGS, FEATURE_REMOVE_WEIGHTS, FEATURE_DRAIN)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "FEATURES",
+    "FEATURE_LOGS",
+    "FEATURE_REMOVE_WEIGHTS",
+    "FEATURE_DRAIN",
+    "MESSAGE_TYPES",
+    "ProtocolError",
+    "Sender",
+    "encode",
+    "decode",
+    "Message",
+    "Register",
+    "Heartbeat",
+    "ShardStatus",
+    "ShardState",
+    "FetchProgress",
+    "ByteProgress",
+    "StartShard",
+    "StopShard",
+    "DrainShard",
+    "EngineProfile",
+    "RunningShard",
+    "Provision",
+    "EngineWant",
+    "ProvisionStatus",
+    "ProvisionState",
+    "LogsRequest",
+    "LogsReply",
+    "RemoveWeights",
+    "Ack",
+    "FabricAttachment",
+    "LocalWeights",
+    "NodeInventory",
+    "NodeSample",
+    "Host",
+    "MemoryInfo",
+    "NodeLoad",
+    "ShardLoad",
+    "Storage",
+    "GPU",
+    "GPUUsage",
+    "GPUFabric",
+    "NVLinkPeer",
+    "HCA",
+    "IBPort",
+    "IMEX",
+    "NIC_PATH_ORDER",
+    "LINK_INFINIBAND",
+    "LINK_ETHERNET",
+]

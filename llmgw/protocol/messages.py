@@ -1,0 +1,340 @@
+"""The messages on the agent stream.
+
+Up (agent -> control plane): register (first, on every connection),
+heartbeat, shard_status, logs_reply, ack. Down: start_shard, stop_shard,
+drain_shard, provision, logs_request, remove_weights, ack.
+
+Request and reply are paired by the envelope's ``id``: a message sent with an
+id expects an answer carrying the same id (an ``ack``, or a ``logs_reply`` for
+a ``logs_request``); one sent without an id expects none.
+
+In a heartbeat, an absent list means "no news" and an empty one means
+"none": ``provision=[]`` says there is nothing to install, ``provision=None``
+says nothing changed. A heartbeat may therefore be sent early carrying only
+what changed.
+
+Enum values (shard and provision states) are part of the protocol version: a
+sender only uses values its peer's ``protocol_version`` knows.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from .base import WireModel
+from .inventory import (
+    GPUUsage,
+    IBPort,
+    IMEX,
+    MemoryInfo,
+    NodeInventory,
+    NodeLoad,
+    NonNegInt,
+    Storage,
+)
+
+Direction = Literal["up", "down", "both"]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class Message(WireModel):
+    """A payload that travels in an envelope of its own."""
+
+    TYPE: ClassVar[str]
+    DIRECTION: ClassVar[Direction]
+    # Whether the message is meaningless without an id (replies, and requests
+    # that must be answered).
+    NEEDS_ID: ClassVar[bool] = False
+
+    # The envelope's id, kept on the message so a handler can answer it; not
+    # part of the payload.
+    id: str | None = Field(default=None, exclude=True)
+
+
+# ------------------------------------------------------------------ shards
+
+
+class ShardState(StrEnum):
+    PENDING = "pending"
+    STARTING = "starting"  # process up, not yet answering
+    LOADING = "loading"  # answering /health, model not yet listed (a 70B load takes minutes)
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ByteProgress(WireModel):
+    """Bytes done out of a total; the total is None when the length is not
+    known, and then no percentage should be invented."""
+
+    bytes_done: NonNegInt
+    bytes_total: NonNegInt | None = None
+
+    @property
+    def percent(self) -> float | None:
+        if not self.bytes_total:
+            return None
+        return min(100.0, 100.0 * self.bytes_done / self.bytes_total)
+
+
+class FetchProgress(ByteProgress):
+    source: str | None = None  # fetches are shared per source, so progress is keyed by it
+
+
+class ShardStatus(Message):
+    """A shard's state. A status repeating the state the shard is already in,
+    with ``fetch`` set, is progress, not a transition: it must not reset a
+    startup timer."""
+
+    TYPE: ClassVar[str] = "shard_status"
+    DIRECTION: ClassVar[Direction] = "up"
+
+    shard_id: str
+    replica_id: str | None = None
+    state: ShardState
+    reason: str | None = None  # words for a person, on failed and stopped
+    # The engine's last lines of output; on failure the only diagnosis there is.
+    output_tail: list[str] | None = None
+    fetch: FetchProgress | None = None
+    pid: int | None = None
+
+
+class EngineProfile(WireModel):
+    """How an engine is run for a model; the agent validates it before launching."""
+
+    name: str | None = None
+    tensor_parallel: Annotated[int, Field(ge=1)] | None = None
+    pipeline_parallel: Annotated[int, Field(ge=1)] | None = None
+    context_size: Annotated[int, Field(ge=1)] | None = None
+    parallel: Annotated[int, Field(ge=1)] | None = None  # concurrent requests (llama.cpp slots)
+    dtype: str | None = None
+    quantization: str | None = None  # e.g. fp8 (refused below compute capability 8.9)
+    args: list[str] | None = None  # extra engine arguments, e.g. --no-jinja
+    env: dict[str, str] | None = None  # overrides the NCCL variables the agent sets
+    launch_mode: str | None = None  # vLLM multi-node: mp or ray
+
+
+class StartShard(Message):
+    """Launch one shard. Idempotent by shard_id: a repeat (the control plane
+    retries) must not start a second process."""
+
+    TYPE: ClassVar[str] = "start_shard"
+    DIRECTION: ClassVar[Direction] = "down"
+
+    shard_id: str
+    replica_id: str | None = None
+    model: str | None = None  # the name the engine serves it under
+    engine: str  # llamacpp, vllm, sglang
+    engine_version: str | None = None
+    source: str | None = None  # weights: a URL, a set URL ending in /, a path or a model id
+    gpus: list[NonNegInt] | None = None
+    http_port: Port | None = None
+    # Multi-node: this node's rank (0 leads and serves HTTP), the rendezvous.
+    rank: NonNegInt | None = None
+    nnodes: Annotated[int, Field(ge=1)] | None = None
+    leader_addr: str | None = None
+    leader_port: Port | None = None
+    hcas: list[str] | None = None  # the chosen fabric's adapters on this node
+    mgmt_interface: str | None = None  # the agent replaces it with its own
+    profile: EngineProfile | None = None
+    # Never interpreted by the agent; echoed back in RunningShard after a restart.
+    pool: str | None = None
+    fabric: str | None = None  # "nvl:<domain>" inside a multi-node NVLink domain
+    profile_fp: str | None = None
+
+
+class StopShard(Message):
+    TYPE: ClassVar[str] = "stop_shard"
+    DIRECTION: ClassVar[Direction] = "down"
+
+    shard_id: str
+    reason: str | None = None
+    # Grace between SIGTERM and SIGKILL; None means the agent's stop_timeout.
+    timeout_s: Annotated[float, Field(ge=0)] | None = None
+
+
+class DrainShard(Message):
+    """Stop a shard once what it is serving has finished (or the deadline passed)."""
+
+    TYPE: ClassVar[str] = "drain_shard"
+    DIRECTION: ClassVar[Direction] = "down"
+
+    shard_id: str
+    reason: str | None = None
+    timeout_s: Annotated[float, Field(ge=0)] | None = None
+
+
+class RunningShard(WireModel):
+    """A shard the agent runs, described back in full on every registration:
+    the control plane keeps no replica state across its own restart."""
+
+    shard_id: str
+    replica_id: str | None = None
+    state: ShardState | None = None
+    pid: int | None = None
+    spec: StartShard | None = None  # as received, so pool/fabric/profile_fp survive
+
+
+# ------------------------------------------------------------ provisioning
+
+
+class ProvisionState(StrEnum):
+    INSTALLING = "installing"
+    READY = "ready"
+    FAILED = "failed"
+    UNSUPPORTED = "unsupported"  # cannot run here (old driver, old GPU, unknown engine)
+    SKIPPED = "skipped"  # not meant for this node (vLLM without a GPU): nothing is wrong
+
+
+class EngineWant(WireModel):
+    engine: str  # llamacpp, vllm, sglang
+    version: str  # b10991, 0.30.0
+    source_url: str | None = None  # base URL of release archives (a mirror); None = upstream
+
+
+class Provision(Message):
+    """The engines this node should have; sent on every connection and when it changes."""
+
+    TYPE: ClassVar[str] = "provision"
+    DIRECTION: ClassVar[Direction] = "down"
+
+    engines: list[EngineWant]
+
+
+class ProvisionStatus(WireModel):
+    engine: str
+    version: str | None = None
+    variant: str | None = None  # cpu, cuda-12.8, cu13
+    state: ProvisionState
+    detail: str | None = None  # words for a person
+    progress: ByteProgress | None = None  # while downloading
+
+
+# ------------------------------------------------------- node-level messages
+
+
+class FabricAttachment(WireModel):
+    """A declared fabric this node is usably on (cannot be read off the wire)."""
+
+    fabric: str
+    hcas: list[str] | None = None
+    rate_gbps: float | None = None  # the slowest active port among them
+
+
+class LocalWeights(WireModel):
+    path: str
+    size_bytes: NonNegInt | None = None
+    shared: bool | None = None  # on a network filesystem other nodes also see
+
+
+class Register(Message):
+    """The first message on every connection."""
+
+    TYPE: ClassVar[str] = "register"
+    DIRECTION: ClassVar[Direction] = "up"
+
+    node_id: str = Field(min_length=1)
+    protocol_version: Annotated[int, Field(ge=1)]
+    agent_version: str | None = None
+    # Requests this agent answers beyond the base set (see FEATURES); the
+    # control plane sends no others rather than waiting on a silent agent.
+    features: list[str] | None = None
+    inventory: NodeInventory | None = None
+    installable_engines: list[str] | None = None
+    # None: not probed yet; {}: probed, nothing installed.
+    engine_versions: dict[str, str] | None = None
+    labels: dict[str, str] | None = None
+    mgmt_addr: str | None = None
+    mgmt_interface: str | None = None
+    fabrics: list[FabricAttachment] | None = None
+    shards: list[RunningShard] | None = None  # all of them, every time
+    weights: list[LocalWeights] | None = None
+
+
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    DIRECTION: ClassVar[Direction] = "up"
+
+    node_id: str | None = None
+    # Re-read every time (NodeSample's fields).
+    memory: MemoryInfo | None = None
+    load: NodeLoad | None = None
+    storage: list[Storage] | None = None
+    gpus: list[GPUUsage] | None = None
+    ib_ports: list[IBPort] | None = None
+    imex: IMEX | None = None
+    # Sent when changed; None = no news.
+    engine_versions: dict[str, str] | None = None
+    provision: list[ProvisionStatus] | None = None
+    shards: list[ShardStatus] | None = None
+    fabrics: list[FabricAttachment] | None = None  # replaces the node's fabrics
+    weights: list[LocalWeights] | None = None
+
+
+class LogsRequest(Message):
+    TYPE: ClassVar[str] = "logs_request"
+    DIRECTION: ClassVar[Direction] = "down"
+    NEEDS_ID: ClassVar[bool] = True
+
+    source: str | None = None  # "agent" (the default) or a shard id
+    lines: NonNegInt | None = None
+
+
+class LogsReply(Message):
+    TYPE: ClassVar[str] = "logs_reply"
+    DIRECTION: ClassVar[Direction] = "up"
+    NEEDS_ID: ClassVar[bool] = True
+
+    source: str | None = None
+    lines: list[str] | None = None
+    sources: list[str] | None = None  # every log this node can show
+    error: str | None = None  # e.g. an unknown source
+
+
+class RemoveWeights(Message):
+    """Delete fetched weights; the agent re-checks each path is one it fetched."""
+
+    TYPE: ClassVar[str] = "remove_weights"
+    DIRECTION: ClassVar[Direction] = "down"
+
+    paths: list[str]
+
+
+class Ack(Message):
+    """The answer to a message sent with an id: ok, or the error in words."""
+
+    TYPE: ClassVar[str] = "ack"
+    DIRECTION: ClassVar[Direction] = "both"
+    NEEDS_ID: ClassVar[bool] = True
+
+    ok: bool
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _error_means_not_ok(self) -> Ack:
+        if self.ok and self.error:
+            raise ValueError("an ack with an error must have ok=false")
+        return self
+
+    @classmethod
+    def answering(cls, request: Message, error: str | None = None) -> Ack:
+        """The ack for ``request``: ok when there is no error."""
+        return cls(id=request.id, ok=error is None, error=error)
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Register,
+    Heartbeat,
+    ShardStatus,
+    LogsReply,
+    StartShard,
+    StopShard,
+    DrainShard,
+    Provision,
+    LogsRequest,
+    RemoveWeights,
+    Ack,
+)
