@@ -7,9 +7,79 @@ import json
 import typer
 
 from llmgw.cli.common import err, fail
+from llmgw.config.agent import DEFAULT_AGENT_CONFIG_PATH
 
 app = typer.Typer(help="The node agent: run it, see what it finds on this machine, check an engine binary.",
-                  no_args_is_help=True)
+                  invoke_without_command=True)
+
+
+@app.callback()
+def agent(
+    ctx: typer.Context,
+    config: str = typer.Option(DEFAULT_AGENT_CONFIG_PATH, "--config", "-c", help="Path of agent.yaml."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+) -> None:
+    """Run the node agent: it dials the control plane, reports this machine, installs and supervises engines.
+
+    Engines keep running when the agent stops; a restarted agent adopts them.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    import asyncio
+    import signal
+
+    from llmgw.agent.client import LinkError
+    from llmgw.agent.identity import resolve_identity
+    from llmgw.agent.service import Agent, capture_agent_log
+    from llmgw.server.app import install_loop, setup_logging
+
+    cfg = _load(config)
+    setup_logging(log_level)
+    capture_agent_log()
+    identity = resolve_identity(cfg)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await Agent(cfg, identity).run(stop)
+
+    install_loop()
+    try:
+        asyncio.run(main())
+    except LinkError as exc:
+        fail(str(exc))
+
+
+def _load(path: str):
+    from llmgw.config import ConfigError
+    from llmgw.config.agent import load_agent_config
+
+    try:
+        return load_agent_config(path)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+@app.command("inventory")
+def inventory(
+    as_json: bool = typer.Option(False, "--json", help="Print what the control plane would receive, as JSON."),
+    config: str = typer.Option(None, "--config", "-c", help="agent.yaml whose discovery settings and model_dirs to use."),
+) -> None:
+    """Print what this machine is, as the control plane would see it: host, memory, disks, GPUs, NVLink, adapters."""
+    from pathlib import Path
+
+    from llmgw.agent.discovery.collect import DiscoveryOptions, collect_inventory
+    from llmgw.agent.discovery.report import render_inventory
+
+    opts = DiscoveryOptions()
+    if config:
+        cfg = _load(config)
+        opts = DiscoveryOptions(model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]),
+                                nvidia_smi=cfg.discovery.nvidia_smi, ib_root=Path(cfg.discovery.ib_root),
+                                prefer_nvml=cfg.discovery.prefer_nvml, skip_gpus=cfg.discovery.skip_gpus)
+    typer.echo(render_inventory(collect_inventory(opts), as_json))
 
 
 @app.command("engine-check")

@@ -1,0 +1,423 @@
+"""`llmgw agent`: discovery, the stream to the control plane, and what the stream asks for.
+
+The agent registers with everything it knows (inventory, engines, running
+shards) on every connection, since the control plane keeps no replica state
+across its own restart; it heartbeats; and it carries out start, stop, drain,
+provision, logs and remove-weights requests. Bad input (a malformed message,
+an unknown engine, a missing file) is answered with its reason and logged;
+the agent keeps running. Engines outlive the agent: on start-up it adopts
+those still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from pathlib import Path
+
+import aiohttp
+
+from llmgw import __version__
+from llmgw.agent.client import ControlPlaneLink
+from llmgw.agent.discovery.collect import Discovery, DiscoveryOptions
+from llmgw.agent.engines import LaunchRefused, UnknownEngine, plan_shard
+from llmgw.agent.engines.spec import GPU as LaunchGPU
+from llmgw.agent.engines.spec import Adapter, EngineSettings, Group, NodeFacts, Profile, ShardLaunch
+from llmgw.agent.identity import Identity
+from llmgw.agent.provision.host import HostFacts
+from llmgw.agent.provision.manager import ConvergeLoop, Installer, Want
+from llmgw.agent.provision.status import State as ProvisionState
+from llmgw.agent.supervisor import Role, ShardSpec, Sidecar, Supervisor, SupervisorError, UnknownShardError
+from llmgw.agent.weights import WeightsCache, WeightsError
+from llmgw.config.agent import AgentConfig
+from llmgw.protocol import (
+    FEATURES,
+    PROTOCOL_VERSION,
+    Ack,
+    DrainShard,
+    FabricAttachment,
+    FetchProgress,
+    Heartbeat,
+    LocalWeights,
+    LogsReply,
+    LogsRequest,
+    Message,
+    Provision,
+    ProtocolError,
+    ProvisionStatus,
+    Register,
+    RemoveWeights,
+    RunningShard,
+    ShardState,
+    ShardStatus,
+    StartShard,
+    StopShard,
+    decode,
+    encode,
+)
+from llmgw.protocol.inventory import NodeInventory
+
+log = logging.getLogger("llmgw.agent")
+
+# The agent's own recent log lines, for a logs request with source "agent".
+_AGENT_LOG = collections.deque(maxlen=2000)
+
+
+class _RingHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        _AGENT_LOG.append(self.format(record))
+
+
+def capture_agent_log() -> None:
+    h = _RingHandler()
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("llmgw").addHandler(h)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, identity: Identity, discovery: DiscoveryOptions | None = None) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.discovery = Discovery(discovery or DiscoveryOptions(
+            model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]), nvidia_smi=cfg.discovery.nvidia_smi,
+            ib_root=Path(cfg.discovery.ib_root), prefer_nvml=cfg.discovery.prefer_nvml,
+            skip_gpus=cfg.discovery.skip_gpus))
+        self.inventory: NodeInventory | None = None
+        self.supervisor: Supervisor | None = None
+        self.weights: WeightsCache | None = None
+        self.installer: Installer | None = None
+        self._converge: ConvergeLoop | None = None
+        self._outbox: asyncio.Queue[Message] | None = None
+        self._specs: dict[str, StartShard] = {}  # as received, echoed back in registrations
+        self._starting: dict[str, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        for d in (cfg.weights_cache, cfg.engines_dir, cfg.supervisor.work_dir):
+            Path(d).mkdir(parents=True, exist_ok=True)
+        self.inventory = await asyncio.to_thread(self.discovery.inventory)
+        for w in self.inventory.warnings or ():
+            log.warning("discovery: %s", w)
+        sv = cfg.supervisor
+        self.supervisor = Supervisor(Path(sv.work_dir), on_change=self._shard_changed, tail_lines=sv.log_lines,
+                                     stop_timeout=sv.stop_timeout, rendezvous_timeout=sv.rendezvous_timeout,
+                                     health_interval=sv.health_interval)
+        report = await self.supervisor.adopt()
+        for st in self.supervisor.statuses():
+            spec = _spec_from_meta(st.meta)
+            if spec is not None:
+                self._specs[st.shard_id] = spec
+        if report.adopted:
+            log.info("adopted %d running engine(s): %s", len(report.adopted), ", ".join(report.adopted))
+        self.weights = WeightsCache(Path(cfg.weights_cache))
+        self.installer = Installer(root=Path(cfg.engines_dir),
+                                   host=HostFacts.from_inventory(self.inventory.host, self.inventory.gpus or ()),
+                                   on_status=self._provision_changed)
+        self._converge = ConvergeLoop(self.installer)
+        converge = asyncio.create_task(self._converge.run(), name="provision")
+        link = ControlPlaneLink(cfg, self._session)
+        try:
+            await link.run(stop)
+        finally:
+            converge.cancel()
+            for t in [*self._starting.values(), *self._tasks]:
+                t.cancel()
+            await asyncio.gather(converge, *self._starting.values(), *self._tasks, return_exceptions=True)
+            # close(), not stop_all(): engines keep serving while the agent restarts.
+            await self.supervisor.close()
+            await self.weights.aclose()
+            await asyncio.to_thread(self.discovery.close)
+            log.info("agent stopped; engines left running: %d", len(self.supervisor.statuses()))
+
+    # -- the session --------------------------------------------------------
+
+    async def _session(self, ws: aiohttp.ClientWebSocketResponse, addr: str) -> None:
+        self._outbox = asyncio.Queue()
+        await ws.send_bytes(encode(self._register()))
+        sender = asyncio.create_task(self._send_loop(ws), name="send")
+        beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        try:
+            async for frame in ws:
+                if frame.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                    self._handle(frame.data)
+                elif frame.type == aiohttp.WSMsgType.ERROR:
+                    raise ConnectionError(f"the stream broke: {ws.exception()}")
+        finally:
+            beat.cancel()
+            sender.cancel()
+            await asyncio.gather(beat, sender, return_exceptions=True)
+            self._outbox = None
+
+    def send(self, msg: Message) -> None:
+        """Queue a message for the control plane; dropped when not connected (a
+        registration on the next connection says everything again)."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(msg)
+
+    async def _send_loop(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        assert self._outbox is not None
+        while True:
+            msg = await self._outbox.get()
+            await ws.send_bytes(encode(msg))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+            self.send(await self._heartbeat())
+
+    def _register(self) -> Register:
+        inv = self.inventory
+        assert inv is not None and self.supervisor is not None and self.installer is not None
+        return Register(
+            node_id=self.identity.node_id, protocol_version=PROTOCOL_VERSION, agent_version=__version__,
+            features=list(FEATURES), inventory=inv, installable_engines=self.installer.installable(),
+            engine_versions=self._engine_versions(), labels=dict(self.cfg.labels),
+            mgmt_addr=self.identity.mgmt_addr, mgmt_interface=self.identity.mgmt_interface,
+            fabrics=[FabricAttachment(fabric=f.name, hcas=list(f.hcas)) for f in self.cfg.fabrics],
+            shards=[RunningShard(shard_id=s.shard_id, replica_id=(self._specs.get(s.shard_id) or _NO_SPEC).replica_id,
+                                 state=ShardState(s.state.value), pid=s.pid, spec=self._specs.get(s.shard_id))
+                    for s in self.supervisor.statuses()],
+            weights=self._weights_held(),
+        )
+
+    async def _heartbeat(self) -> Heartbeat:
+        assert self.supervisor is not None and self.installer is not None
+        pids = {s.shard_id: s.pid for s in self.supervisor.statuses() if s.pid}
+        sample = await asyncio.to_thread(self.discovery.sample, pids)
+        return Heartbeat(
+            node_id=self.identity.node_id, memory=sample.memory, load=sample.load, storage=sample.storage,
+            gpus=sample.gpus, ib_ports=sample.ib_ports,
+            engine_versions=self._engine_versions(),
+            provision=[ProvisionStatus.model_validate(s.to_wire()) for s in self.installer.statuses.values()],
+            shards=[self._status_msg(s) for s in self.supervisor.statuses()],
+            weights=self._weights_held(),
+        )
+
+    def _engine_versions(self) -> dict[str, str]:
+        assert self.installer is not None
+        return {name: s.version for name, s in self.installer.statuses.items()
+                if s.state == ProvisionState.READY and s.version}
+
+    def _weights_held(self) -> list[LocalWeights]:
+        assert self.weights is not None
+        return [LocalWeights(path=str(w.path), size_bytes=w.bytes) for w in self.weights.fetched() if w.complete]
+
+    # -- requests from the control plane ------------------------------------
+
+    def _handle(self, data: str | bytes) -> None:
+        try:
+            msg = decode(data, sender="control")
+        except ProtocolError as exc:
+            log.error("a message from the control plane was refused: %s", exc)
+            if exc.msg_id:
+                self.send(Ack(id=exc.msg_id, ok=False, error=str(exc)))
+            return
+        if isinstance(msg, StartShard):
+            self._start(msg)
+        elif isinstance(msg, (StopShard, DrainShard)):
+            self._spawn(self._stop(msg))
+        elif isinstance(msg, Provision):
+            assert self._converge is not None
+            self._converge.want([Want(w.engine, w.version, w.source_url) for w in msg.engines])
+            self._ack(msg)
+        elif isinstance(msg, LogsRequest):
+            self.send(self._logs(msg))
+        elif isinstance(msg, RemoveWeights):
+            self._remove_weights(msg)
+        elif isinstance(msg, Ack):
+            if not msg.ok:
+                log.warning("the control plane refused message %s: %s", msg.id, msg.error)
+        else:
+            log.warning("ignoring a %s message, which the agent does not handle", msg.TYPE)
+
+    def _ack(self, msg: Message, error: str | None = None) -> None:
+        if msg.id:
+            self.send(Ack(id=msg.id, ok=error is None, error=error))
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _start(self, msg: StartShard) -> None:
+        assert self.supervisor is not None
+        current = self._status_or_none(msg.shard_id)
+        if msg.shard_id in self._starting or (current is not None and current.state not in
+                                              (ShardState.FAILED.value, ShardState.STOPPED.value)):
+            # The control plane retries; a repeat must not start a second process.
+            self._ack(msg)
+            return
+        self._specs[msg.shard_id] = msg
+        task = asyncio.create_task(self._launch(msg), name=f"start {msg.shard_id}")
+        self._starting[msg.shard_id] = task
+        task.add_done_callback(lambda _t, sid=msg.shard_id: self._starting.pop(sid, None))
+        self._ack(msg)
+
+    async def _launch(self, msg: StartShard) -> None:
+        assert self.supervisor is not None and self.weights is not None
+        sid = msg.shard_id
+        self.send(ShardStatus(shard_id=sid, replica_id=msg.replica_id, state=ShardState.PENDING))
+        try:
+            if msg.http_port is None and (msg.rank or 0) == 0:
+                raise _Refused("the start request names no http_port for the engine")
+            model = msg.source or msg.model
+            if not model:
+                raise _Refused("the start request names no source (weights) and no model")
+            last = 0.0
+
+            def progress(done: int, total: int | None) -> None:
+                nonlocal last
+                now = time.monotonic()
+                if now - last >= 1.0 or (total is not None and done >= total):
+                    last = now
+                    self.send(ShardStatus(shard_id=sid, replica_id=msg.replica_id, state=ShardState.PENDING,
+                                          fetch=FetchProgress(source=msg.source, bytes_done=done, bytes_total=total)))
+
+            if msg.source:
+                model = await self.weights.resolve(msg.source, progress)
+            plan = plan_shard(self._launch_spec(msg, model), self._engine_settings())
+            for w in plan.warnings:
+                log.warning("shard %s: %s", sid, w)
+            main = plan.main
+            spec = ShardSpec(
+                shard_id=sid, argv=list(main.argv), env=dict(main.env),
+                role=Role.LEADER if plan.serves_http else Role.WORKER,
+                base_url=f"http://127.0.0.1:{plan.health.port}" if plan.health else None,
+                model=plan.health.model if plan.health else None,
+                sidecars=[Sidecar(argv=list(c.argv), env=dict(c.env)) for c in plan.commands[:-1]],
+                wait_for=f"{main.wait_for[0]}:{main.wait_for[1]}" if main.wait_for else None,
+                meta={"start_shard": msg.model_dump(mode="json", exclude_none=True)},
+            )
+            await self.supervisor.start(spec)
+        except asyncio.CancelledError:
+            raise
+        except LaunchRefused as exc:
+            self._failed(msg, "; ".join(exc.reasons))
+        except (_Refused, UnknownEngine, WeightsError, SupervisorError, ValueError, OSError) as exc:
+            self._failed(msg, str(exc))
+        except Exception as exc:  # the agent keeps running whatever one shard does
+            log.exception("starting shard %s failed unexpectedly", sid)
+            self._failed(msg, f"internal error: {exc!r}")
+
+    def _status_or_none(self, sid: str):
+        assert self.supervisor is not None
+        try:
+            return self.supervisor.status(sid)
+        except UnknownShardError:
+            return None
+
+    def _failed(self, msg: StartShard, reason: str) -> None:
+        log.error("shard %s cannot start: %s", msg.shard_id, reason)
+        self.send(ShardStatus(shard_id=msg.shard_id, replica_id=msg.replica_id, state=ShardState.FAILED,
+                              reason=reason))
+
+    def _engine_settings(self) -> EngineSettings:
+        assert self.installer is not None
+        installed = {name: str(s.binary) for name, s in self.installer.statuses.items()
+                     if s.state == ProvisionState.READY and s.binary}
+        return EngineSettings.from_config(self.cfg.engines, installed=installed)
+
+    def _launch_spec(self, msg: StartShard, model: str) -> ShardLaunch:
+        inv = self.inventory or NodeInventory()
+        p = msg.profile
+        gpus = [LaunchGPU(index=g.index, name=g.name or f"GPU {g.index}", compute_capability=g.compute_capability)
+                for g in inv.gpus or ()]
+        domains = {g.fabric.domain for g in inv.gpus or () if g.fabric is not None and g.fabric.domain}
+        wanted = set(msg.hcas or ())
+        adapters = [Adapter(name=port.hca, port=port.port,
+                            link_layer="Ethernet" if port.is_roce else "InfiniBand", gid_index=port.gid_index)
+                    for port in inv.ib_ports if port.hca in wanted]
+        return ShardLaunch(
+            shard_id=msg.shard_id, engine=msg.engine, model=model, served_name=msg.model or msg.shard_id,
+            port=msg.http_port or 1,
+            profile=Profile(
+                tp=(p.tensor_parallel if p else None) or 1, nodes=msg.nnodes or 1, gpu_ids=list(msg.gpus or ()),
+                ctx_size=p.context_size if p else None, parallel=p.parallel if p else None,
+                dtype=p.dtype if p else None, quantization=p.quantization if p else None,
+                extra_args=list(p.args or ()) if p else [], env=dict(p.env or {}) if p else {}),
+            group=Group(rank=msg.rank or 0, leader_addr=msg.leader_addr, leader_port=msg.leader_port),
+            node=NodeFacts(gpus=gpus, nvlink_domain=next(iter(domains)) if len(domains) == 1 else None,
+                           fabric_adapters=adapters, interface=self.identity.mgmt_interface,
+                           address=self.identity.mgmt_addr),
+            fabric=msg.fabric,
+        )
+
+    async def _stop(self, msg: StopShard | DrainShard) -> None:
+        assert self.supervisor is not None
+        sid = msg.shard_id
+        starting = self._starting.pop(sid, None)
+        if starting is not None:
+            starting.cancel()
+        if self._status_or_none(sid) is None:
+            self._ack(msg, None if starting else f"no shard {sid} runs on this node")
+            if starting:
+                self.send(ShardStatus(shard_id=sid, state=ShardState.STOPPED, reason=msg.reason or "stopped"))
+            return
+        try:
+            await self.supervisor.stop(sid, timeout=msg.timeout_s)
+        except Exception as exc:
+            log.exception("stopping shard %s failed", sid)
+            self._ack(msg, str(exc))
+            return
+        self.supervisor.forget(sid)
+        self._specs.pop(sid, None)
+        self._ack(msg)
+
+    def _logs(self, msg: LogsRequest) -> LogsReply:
+        assert self.supervisor is not None
+        n = msg.lines or 200
+        sources = ["agent", *(s.shard_id for s in self.supervisor.statuses())]
+        source = msg.source or "agent"
+        if source == "agent":
+            return LogsReply(id=msg.id, source=source, lines=list(_AGENT_LOG)[-n:], sources=sources)
+        if source not in sources:
+            return LogsReply(id=msg.id, source=source, sources=sources,
+                             error=f"no log named {source}; this node has: {', '.join(sources)}")
+        return LogsReply(id=msg.id, source=source, lines=self.supervisor.tail(source, n), sources=sources)
+
+    def _remove_weights(self, msg: RemoveWeights) -> None:
+        assert self.weights is not None
+        errors = []
+        for p in msg.paths:
+            try:
+                self.weights.remove_path(Path(p))
+            except WeightsError as exc:
+                errors.append(str(exc))
+        self._ack(msg, "; ".join(errors) or None)
+
+    # -- reports --------------------------------------------------------------
+
+    def _status_msg(self, st) -> ShardStatus:
+        spec = self._specs.get(st.shard_id)
+        return ShardStatus(shard_id=st.shard_id, replica_id=spec.replica_id if spec else None,
+                           state=ShardState(st.state.value), reason=st.detail or None,
+                           output_tail=list(st.tail) if st.tail else None, pid=st.pid)
+
+    def _shard_changed(self, st) -> None:
+        self.send(self._status_msg(st))
+
+    def _provision_changed(self, status) -> None:
+        self.send(Heartbeat(node_id=self.identity.node_id,
+                            provision=[ProvisionStatus.model_validate(status.to_wire())]))
+
+
+class _Refused(Exception):
+    pass
+
+
+_NO_SPEC = StartShard(shard_id="-", engine="-")
+
+
+def _spec_from_meta(meta: dict | None) -> StartShard | None:
+    raw = (meta or {}).get("start_shard")
+    if not raw:
+        return None
+    try:
+        return StartShard.model_validate(raw)
+    except ValueError:
+        return None
