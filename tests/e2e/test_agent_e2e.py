@@ -1,0 +1,221 @@
+"""A real `llmgw agent` process against a stand-in control plane.
+
+The stand-in speaks the protocol over the agent's WebSocket: it asks for
+llama.cpp from a local release server (an archive of the locally built
+llama-server with its sha256), then for a shard whose weights (the tiny
+model) come over HTTP. The engine must answer a chat completion; the agent is
+then killed with SIGKILL and started again, and must adopt the same engine
+process while the engine never stops answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+import signal
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+from aiohttp import web
+
+from harness import Proc, free_port, llmgw_cmd
+from llmgw.agent.client import STREAM_PATH
+from llmgw.protocol import (EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
+                            decode, encode)
+
+pytestmark = pytest.mark.e2e
+
+TAG = "b9999"
+ASSET = f"llama-{TAG}-bin-ubuntu-x64.tar.gz"
+
+
+class StandIn:
+    """The control plane's side of the stream, run on its own thread and loop."""
+
+    def __init__(self, release_url: str, model_url: str, engine_port: int) -> None:
+        self.release_url, self.model_url, self.engine_port = release_url, model_url, engine_port
+        self.port = free_port()
+        self.registers: list[Register] = []
+        self.statuses: list[ShardStatus] = []
+        self.provision: dict[str, str] = {}
+        self.start_shard = True
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get(STREAM_PATH, self._stream)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _stream(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        sent_start = False
+        async for frame in ws:
+            msg = decode(frame.data, sender="agent")
+            if isinstance(msg, Register):
+                self.registers.append(msg)
+                await ws.send_bytes(encode(Provision(engines=[EngineWant(engine="llamacpp", version=TAG,
+                                                                         source_url=self.release_url)])))
+            elif isinstance(msg, Heartbeat):
+                for p in msg.provision or ():
+                    self.provision[p.engine] = p.state.value
+                    if p.state.value == "failed":
+                        self.failure = p.detail
+                self.statuses.extend(msg.shards or ())
+            elif isinstance(msg, ShardStatus):
+                self.statuses.append(msg)
+            running = any(s.shard_id == "tiny-0" for s in (self.registers[-1].shards or ())) if self.registers else False
+            if (self.start_shard and not sent_start and not running and self.provision.get("llamacpp") == "ready"):
+                sent_start = True
+                await ws.send_bytes(encode(StartShard(
+                    id="start-1", shard_id="tiny-0", replica_id="r1", model="tiny", engine="llamacpp",
+                    source=self.model_url, http_port=self.engine_port,
+                    profile=EngineProfile(context_size=2048, parallel=2, args=["--threads", "1"]))))
+        return ws
+
+    def state(self, shard: str) -> str | None:
+        for s in reversed(self.statuses):
+            if s.shard_id == shard:
+                return s.state.value
+        return None
+
+
+def _serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = files.get(self.path)
+            if body is None:
+                self.send_response(404)
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv.shutdown
+
+
+def _archive(binary: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(binary, arcname=f"llama-{TAG}/llama-server")
+    return buf.getvalue()
+
+
+def _wait(cond, timeout: float, what: str, agent: Proc) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if not agent.alive():
+            raise AssertionError(f"the agent exited while waiting for {what}:\n{agent.text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}:\n{agent.text()[-4000:]}")
+        time.sleep(0.1)
+
+
+def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin, tiny_model, tmp_path):
+    archive = _archive(llama_server_bin)
+    digest = hashlib.sha256(archive).hexdigest()
+    base, stop_files = _serve_files({
+        f"/{TAG}/{ASSET}": archive,
+        f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode(),
+        "/models/tiny.gguf": tiny_model.read_bytes(),
+    })
+    engine_port = free_port()
+    cp = StandIn(base, base + "/models/tiny.gguf", engine_port)
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "server": f"127.0.0.1:{cp.port}", "tls": None, "node_id": "node-a",
+        "heartbeat_interval": "500ms", "reconnect_base": "200ms", "reconnect_max": "1s",
+        "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
+        "supervisor": {"work_dir": str(tmp_path / "state"), "health_interval": "250ms", "stop_timeout": "10s"},
+        "discovery": {"skip_gpus": True},
+    }))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent1.log", env=env)
+    engine_pid = None
+    try:
+        _wait(lambda: cp.registers, 30, "the agent to register", agent)
+        reg = cp.registers[0]
+        assert reg.node_id == "node-a" and reg.protocol_version >= 1 and reg.inventory.memory.total_bytes > 0
+        _wait(lambda: cp.provision.get("llamacpp") == "ready", 120, "llama.cpp to be installed", agent)
+        installed = list((tmp_path / "engines").rglob("llama-server"))
+        assert installed, "nothing was installed under engines_dir"
+        _wait(lambda: cp.state("tiny-0") == "ready", 120, "the shard to be ready", agent)
+        assert (tmp_path / "weights").exists() and any((tmp_path / "weights").iterdir())
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{engine_port}/v1", api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4)
+        assert reply.usage.completion_tokens == 4
+        engine_pid = next(s.pid for s in reversed(cp.statuses) if s.shard_id == "tiny-0" and s.pid)
+
+        # Watch the engine through the agent's death and rebirth.
+        failures: list[str] = []
+        watching = threading.Event()
+        watching.set()
+
+        def watch() -> None:
+            with httpx.Client(timeout=2) as h:
+                while watching.is_set():
+                    try:
+                        if h.get(f"http://127.0.0.1:{engine_port}/health").status_code != 200:
+                            failures.append("not 200")
+                    except httpx.HTTPError as exc:
+                        failures.append(repr(exc))
+                    time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        agent.proc.send_signal(signal.SIGKILL)
+        agent.proc.wait(10)
+        cp.start_shard = False
+        registered = len(cp.registers)
+        agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent2.log", env=env)
+        _wait(lambda: len(cp.registers) > registered, 30, "the restarted agent to register", agent)
+        time.sleep(1.0)
+        watching.clear()
+        watcher.join()
+        assert failures == [], f"the engine stopped answering while the agent restarted: {failures[:5]}"
+        shards = {s.shard_id: s for s in cp.registers[-1].shards or ()}
+        assert shards["tiny-0"].pid == engine_pid, "the restarted agent did not adopt the same engine process"
+        assert shards["tiny-0"].spec is not None and shards["tiny-0"].spec.replica_id == "r1"
+        # A clean stop leaves the engine running for the next agent.
+        assert agent.stop() == 0, agent.text()[-3000:]
+        assert httpx.get(f"http://127.0.0.1:{engine_port}/health").status_code == 200
+    finally:
+        if agent.alive():
+            agent.kill()
+        if engine_pid:
+            try:
+                os.killpg(engine_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        cp.close()
+        stop_files()
