@@ -22,7 +22,7 @@ import aiohttp
 from llmgw import __version__
 from llmgw.agent.client import ControlPlaneLink
 from llmgw.agent.discovery.collect import Discovery, DiscoveryOptions
-from llmgw.agent.engines import LaunchRefused, UnknownEngine, plan_shard
+from llmgw.agent.engines import LaunchRefused, UnknownEngine, adapter_for, plan_shard
 from llmgw.agent.engines.spec import GPU as LaunchGPU
 from llmgw.agent.engines.spec import Adapter, EngineSettings, Group, NodeFacts, Profile, ShardLaunch
 from llmgw.agent.identity import Identity
@@ -263,6 +263,7 @@ class Agent:
         sid = msg.shard_id
         self.send(ShardStatus(shard_id=sid, replica_id=msg.replica_id, state=ShardState.PENDING))
         try:
+            adapter_for(msg.engine)  # an unknown engine is refused before any download
             if msg.http_port is None and (msg.rank or 0) == 0:
                 raise _Refused("the start request names no http_port for the engine")
             model = msg.source or msg.model

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from harness import Proc, free_port, llmgw_cmd
 from llmgw.agent.client import STREAM_PATH
-from llmgw.protocol import (EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
+from llmgw.protocol import (Ack, EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
                             decode, encode)
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +47,9 @@ class StandIn:
         self.statuses: list[ShardStatus] = []
         self.provision: dict[str, str] = {}
         self.start_shard = True
+        self.failure: str | None = None
+        self.on_register: list[bytes] = []  # extra frames sent after each registration
+        self.acks: list = []
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -74,6 +77,8 @@ class StandIn:
             msg = decode(frame.data, sender="agent")
             if isinstance(msg, Register):
                 self.registers.append(msg)
+                for frame_out in self.on_register:
+                    await ws.send_bytes(frame_out)
                 await ws.send_bytes(encode(Provision(engines=[EngineWant(engine="llamacpp", version=TAG,
                                                                          source_url=self.release_url)])))
             elif isinstance(msg, Heartbeat):
@@ -84,6 +89,8 @@ class StandIn:
                 self.statuses.extend(msg.shards or ())
             elif isinstance(msg, ShardStatus):
                 self.statuses.append(msg)
+            elif isinstance(msg, Ack):
+                self.acks.append(msg)
             running = any(s.shard_id == "tiny-0" for s in (self.registers[-1].shards or ())) if self.registers else False
             if (self.start_shard and not sent_start and not running and self.provision.get("llamacpp") == "ready"):
                 sent_start = True
@@ -219,3 +226,86 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
                 pass
         cp.close()
         stop_files()
+
+
+def _tampered(binary: Path) -> bytes:
+    good = bytearray(_archive(binary))
+    good[len(good) // 2] ^= 0xFF
+    return bytes(good)
+
+
+def _escaping(binary: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(binary, arcname=f"llama-{TAG}/llama-server")
+        evil = tarfile.TarInfo("../evil.sh")
+        data = b"#!/bin/sh\necho pwned\n"
+        evil.size = len(data)
+        tf.addfile(evil, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["tampered", "wrong-checksum", "escaping-path"])
+def test_bad_archives_are_refused_with_the_reason_and_nothing_installed(kind, llama_server_bin, tmp_path):
+    good = _archive(llama_server_bin)
+    if kind == "tampered":
+        body, digest = _tampered(llama_server_bin), hashlib.sha256(good).hexdigest()
+        words = "sha256"
+    elif kind == "wrong-checksum":
+        body, digest = good, "0" * 64
+        words = "sha256"
+    else:
+        body = _escaping(llama_server_bin)
+        digest = hashlib.sha256(body).hexdigest()
+        words = ".."
+    base, stop_files = _serve_files({f"/{TAG}/{ASSET}": body, f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode()})
+    cp = StandIn(base, base + "/none", free_port())
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "server": f"127.0.0.1:{cp.port}", "tls": None, "heartbeat_interval": "300ms",
+        "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
+        "supervisor": {"work_dir": str(tmp_path / "state")}, "discovery": {"skip_gpus": True},
+    }))
+    agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log")
+    try:
+        _wait(lambda: cp.provision.get("llamacpp") == "failed", 60, "the install to fail", agent)
+        assert words in (cp.failure or ""), cp.failure
+        assert not list((tmp_path / "engines").rglob("llama-server")), "something was installed"
+        assert not (tmp_path / "evil.sh").exists() and not (tmp_path / "engines" / "evil.sh").exists()
+        assert agent.alive()  # a failed install is reported, not fatal
+    finally:
+        assert agent.stop() == 0, agent.text()[-3000:]
+        cp.close()
+        stop_files()
+
+
+def test_bad_requests_are_answered_with_reasons_and_the_agent_keeps_running(tmp_path):
+    cp = StandIn("http://127.0.0.1:1", "http://127.0.0.1:1/none", free_port())
+    cp.start_shard = False
+    cp.on_register = [
+        b'{"type": "start_shard", "id": "bad-1", "payload": {"shard_id": "s", "engine": "llamacpp", "gpus": ["zero"]}}',
+        b"this is not json",
+        encode(StartShard(id="start-2", shard_id="s2", engine="ollama", model="m", source="/nonexistent/m.gguf",
+                          http_port=free_port())),
+    ]
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "server": f"127.0.0.1:{cp.port}", "tls": None, "heartbeat_interval": "300ms",
+        "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
+        "supervisor": {"work_dir": str(tmp_path / "state")}, "discovery": {"skip_gpus": True},
+    }))
+    agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log")
+    try:
+        _wait(lambda: any(a.id == "bad-1" for a in cp.acks) and cp.state("s2") == "failed", 30,
+              "the refusals", agent)
+        bad = next(a for a in cp.acks if a.id == "bad-1")
+        assert not bad.ok and "gpus[0]" in bad.error
+        reason = next(s.reason for s in reversed(cp.statuses) if s.shard_id == "s2" and s.state.value == "failed")
+        assert reason and 'unknown engine "ollama"' in reason, reason
+        log = agent.text()
+        assert "gpus[0]" in log and "json" in log.lower()
+        time.sleep(0.7)
+        assert agent.alive() and len(cp.registers) == 1  # still the same connection
+    finally:
+        assert agent.stop() == 0, agent.text()[-3000:]
+        cp.close()
