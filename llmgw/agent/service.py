@@ -22,7 +22,7 @@ import aiohttp
 from llmgw import __version__
 from llmgw.agent.client import ControlPlaneLink
 from llmgw.agent.discovery.collect import Discovery, DiscoveryOptions
-from llmgw.agent.engines import LaunchRefused, UnknownEngine, adapter_for, plan_shard
+from llmgw.agent.engines import LaunchRefused, UnknownEngine, adapter_for, metric_names, plan_shard
 from llmgw.agent.engines.spec import GPU as LaunchGPU
 from llmgw.agent.engines.spec import Adapter, EngineSettings, Group, NodeFacts, Profile, ShardLaunch
 from llmgw.agent.identity import Identity
@@ -58,6 +58,7 @@ from llmgw.protocol import (
     encode,
 )
 from llmgw.protocol.inventory import NodeInventory
+from llmgw.protocol.prometheus import parse_prometheus
 
 log = logging.getLogger("llmgw.agent")
 
@@ -219,7 +220,9 @@ class Agent:
             return
         if isinstance(msg, StartShard):
             self._start(msg)
-        elif isinstance(msg, (StopShard, DrainShard)):
+        elif isinstance(msg, DrainShard):
+            self._spawn(self._drain(msg))
+        elif isinstance(msg, StopShard):
             self._spawn(self._stop(msg))
         elif isinstance(msg, Provision):
             assert self._converge is not None
@@ -368,6 +371,30 @@ class Agent:
         self.supervisor.forget(sid)
         self._specs.pop(sid, None)
         self._ack(msg)
+
+    async def _drain(self, msg: DrainShard) -> None:
+        """Wait until the engine has nothing running or waiting (or the deadline passes), then stop it."""
+        spec = self._specs.get(msg.shard_id)
+        deadline = time.monotonic() + (msg.timeout_s if msg.timeout_s is not None else self.cfg.supervisor.stop_timeout)
+        if spec is not None and spec.http_port and (spec.rank or 0) == 0:
+            names = metric_names(spec.engine)
+            wanted = {*names.running, *names.waiting}
+            url = f"http://127.0.0.1:{spec.http_port}/metrics"
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+                while time.monotonic() < deadline:
+                    try:
+                        async with http.get(url) as r:
+                            text = await r.text()
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        break  # nothing answers: nothing to wait for
+                    values = parse_prometheus(text, wanted)
+                    if not values or sum(values.values()) == 0:
+                        break
+                    await asyncio.sleep(0.5)
+            if time.monotonic() >= deadline:
+                log.warning("shard %s still had requests when its drain deadline passed; stopping it", msg.shard_id)
+        # Drained (or out of time): a short grace is enough for an idle engine.
+        await self._stop(StopShard(id=msg.id, shard_id=msg.shard_id, reason=msg.reason or "drained", timeout_s=10.0))
 
     def _logs(self, msg: LogsRequest) -> LogsReply:
         assert self.supervisor is not None

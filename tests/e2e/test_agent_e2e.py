@@ -28,7 +28,7 @@ from aiohttp import web
 
 from harness import Proc, free_port, llmgw_cmd
 from llmgw.agent.client import STREAM_PATH
-from llmgw.protocol import (Ack, EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
+from llmgw.protocol import (Ack, DrainShard, EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
                             decode, encode)
 
 pytestmark = pytest.mark.e2e
@@ -69,9 +69,13 @@ class StandIn:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
+    def send(self, msg) -> None:
+        asyncio.run_coroutine_threadsafe(self._ws.send_bytes(encode(msg)), self._loop).result(10)
+
     async def _stream(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
+        self._ws = ws
         sent_start = False
         async for frame in ws:
             msg = decode(frame.data, sender="agent")
@@ -216,6 +220,16 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
         # A clean stop leaves the engine running for the next agent.
         assert agent.stop() == 0, agent.text()[-3000:]
         assert httpx.get(f"http://127.0.0.1:{engine_port}/health").status_code == 200
+        # The next agent adopts it again and drains it on request: the engine is idle, so it stops at once.
+        registered = len(cp.registers)
+        agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent3.log", env=env)
+        _wait(lambda: len(cp.registers) > registered, 30, "the third agent to register", agent)
+        cp.send(DrainShard(id="drain-1", shard_id="tiny-0", timeout_s=30))
+        _wait(lambda: any(a.id == "drain-1" for a in cp.acks), 30, "the drain to finish", agent)
+        assert next(a for a in cp.acks if a.id == "drain-1").ok
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=2)
+        assert agent.stop() == 0, agent.text()[-3000:]
     finally:
         if agent.alive():
             agent.kill()
