@@ -9,7 +9,6 @@ was written, last, into it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Sequence
 
+from .llamacpp_source import sha256_file  # noqa: F401 - the installers import it from here with the rest
 from .runner import Runner, last_lines
 from .status import ProvisionError
 
@@ -112,14 +112,6 @@ async def prove_runs(run: Runner, binary: Path, *, version_args: Sequence[str] =
         raise ProvisionError(f"`{name} {' '.join(version_args)}` failed (exit {r.returncode}): "
                              f"{last_lines(r.output) or 'no output'}")
     return version_line(r.output)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------ marker
