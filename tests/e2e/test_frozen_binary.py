@@ -76,6 +76,22 @@ def test_version(frozen_llmgw: Path, tmp_path: Path) -> None:
     assert lines and lines[-1].strip().endswith(f"v{llmgw.__version__}"), out
 
 
+def test_certificate_authority_and_agent_inventory(frozen_llmgw: Path, tmp_path: Path) -> None:
+    # The roles beyond the gateway pull in cryptography and discovery; both must be bundled.
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(frozen_llmgw), *args], cwd=tmp_path, env=_clean_env(),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+
+    pki = tmp_path / "pki"
+    for args in (("ctl", "cert", "init-ca", "--dir", str(pki)),
+                 ("ctl", "cert", "issue-client", "node-a", "--dir", str(pki)),
+                 ("agent", "inventory", "--json")):
+        r = run(*args)
+        assert r.returncode == 0, f"llmgw {' '.join(args)} exited {r.returncode}:\n{r.stdout}{r.stderr}"
+    assert (pki / "ca.pem").exists() and (pki / "node-a.pem").exists()
+    assert '"memory"' in r.stdout
+
+
 class _Server:
     """`<frozen llmgw> server` with its output in a file, for the failure messages."""
 

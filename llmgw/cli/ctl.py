@@ -1,0 +1,68 @@
+"""`llmgw ctl`: operator tools. `ctl cert` works on files, not the admin API, so it runs before any server does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from llmgw.cli.common import fail
+from llmgw.pki import DEFAULT_PKI_DIR, PKIError, init_ca, issue_client, issue_server, load_cert, san_names
+
+app = typer.Typer(help="Operate the fleet: certificates, nodes, models.", no_args_is_help=True)
+cert_app = typer.Typer(help="The fleet's private certificate authority and the certificates it issues.", no_args_is_help=True)
+app.add_typer(cert_app, name="cert")
+
+_DIR_HELP = f"Directory holding the authority (ca.pem, ca-key.pem); default {DEFAULT_PKI_DIR}."
+_OUT_HELP = "Directory to write the certificate and key into; default the --dir directory."
+
+
+@cert_app.command("init-ca")
+def cert_init_ca(
+    dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
+    name: str = typer.Option("llmgw fleet CA", "--name", help="The authority's common name."),
+    days: int = typer.Option(3650, "--days", help="How long the authority is valid."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing authority (every certificate must then be issued again)."),
+) -> None:
+    """Create the authority: ca.pem to trust on every machine, ca-key.pem to keep here and back up."""
+    try:
+        out = init_ca(dir, name=name, days=days, force=force)
+    except PKIError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {out.cert} (the authority's certificate: every node and server trusts it)")
+    typer.echo(f"wrote {out.key} (its key, mode 0600: back it up; losing it means reissuing every node's certificate)")
+
+
+@cert_app.command("issue-server")
+def cert_issue_server(
+    names: Optional[list[str]] = typer.Argument(None, help="Every host name and IP address agents dial."),
+    host: Optional[list[str]] = typer.Option(None, "--host", help="Another host name or IP address (may be repeated)."),
+    dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
+    out: Optional[Path] = typer.Option(None, "--out", help=_OUT_HELP),
+    days: int = typer.Option(825, "--days", help="How long the certificate is valid."),
+) -> None:
+    """Issue server.pem and server-key.pem naming every address agents dial, bare IPs included."""
+    try:
+        written = issue_server(dir, out or dir, [*(names or []), *(host or [])], days=days)
+    except PKIError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {written.cert} for {', '.join(san_names(load_cert(written.cert)))}")
+    typer.echo(f"wrote {written.key} (mode 0600)")
+
+
+@cert_app.command("issue-client")
+def cert_issue_client(
+    node: str = typer.Argument(..., help="The node id (the agent's node_id, or e.g. control-plane for the mirror API)."),
+    dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
+    out: Optional[Path] = typer.Option(None, "--out", help=_OUT_HELP),
+    days: int = typer.Option(825, "--days", help="How long the certificate is valid."),
+) -> None:
+    """Issue NODE.pem and NODE-key.pem whose common name is the node id the agent claims."""
+    try:
+        written = issue_client(dir, out or dir, node, days=days)
+    except PKIError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {written.cert} (client certificate for {node})")
+    typer.echo(f"wrote {written.key} (mode 0600)")
+    typer.echo(f"install them on {node} as the agent's tls.cert and tls.key, beside the authority's ca.pem")

@@ -1,0 +1,59 @@
+"""TLS contexts for the agent stream and the mirror API, and the node identity a peer proves."""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+from cryptography import x509
+
+from llmgw.pki.ca import PKIError, common_name, load_cert, load_pair
+
+
+def _load(ctx: ssl.SSLContext, ca, cert, key) -> ssl.SSLContext:
+    # Read with cryptography first: its failures can be said plainly, ssl's cannot.
+    load_cert(ca)
+    if cert is not None:
+        load_pair(cert, key if key is not None else cert)
+    try:
+        ctx.load_verify_locations(cafile=os.fspath(ca))
+        if cert is not None:
+            ctx.load_cert_chain(os.fspath(cert), os.fspath(key) if key is not None else None)
+    except ssl.SSLError as exc:
+        raise PKIError(f"TLS could not load {cert or ca}: {exc.reason or exc}") from None
+    return ctx
+
+
+def server_context(ca, cert, key) -> ssl.SSLContext:
+    """A listener that accepts only clients holding a certificate from the authority in `ca`."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return _load(ctx, ca, cert, key)
+
+
+def client_context(ca, cert=None, key=None) -> ssl.SSLContext:
+    """A dialler that trusts only the authority in `ca` and, given a certificate, presents it."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the server and its host name
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return _load(ctx, ca, cert, key)
+
+
+def peer_node_id(ssl_object) -> str | None:
+    """The common name of the certificate the peer presented, or None when it presented none."""
+    if ssl_object is None:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    if not der:
+        return None
+    return common_name(x509.load_der_x509_certificate(der))
+
+
+def check_claim(cert_cn: str | None, claimed_node_id: str) -> str | None:
+    """The refusal to send an agent whose certificate names another node than it claims; None when they agree."""
+    fix = f"issue a certificate for {claimed_node_id} with `llmgw ctl cert issue-client {claimed_node_id}`"
+    if not cert_cn:
+        return f"the agent claims to be {claimed_node_id} but presented no certificate naming a node; {fix}"
+    if cert_cn != claimed_node_id:
+        return f"the certificate is for {cert_cn} but the agent claims to be {claimed_node_id}; {fix}"
+    return None

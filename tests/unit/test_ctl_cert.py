@@ -1,0 +1,50 @@
+"""`llmgw ctl cert`: the commands write what they say and refuse what they should."""
+
+from __future__ import annotations
+
+import stat
+
+from typer.testing import CliRunner
+
+from llmgw.cli.ctl import app
+from llmgw.pki import common_name, load_cert, san_names, verify_issued_by
+
+runner = CliRunner()
+
+
+def test_init_issue_and_refuse(tmp_path):
+    pki = tmp_path / "pki"
+    r = runner.invoke(app, ["cert", "init-ca", "--dir", str(pki)])
+    assert r.exit_code == 0, r.output
+    assert f"wrote {pki / 'ca.pem'}" in r.output and f"wrote {pki / 'ca-key.pem'}" in r.output
+    assert stat.S_IMODE((pki / "ca-key.pem").stat().st_mode) == 0o600
+
+    r = runner.invoke(app, ["cert", "init-ca", "--dir", str(pki)])
+    assert r.exit_code == 1
+    assert "already exists" in r.output and "--force" in r.output
+
+    out = tmp_path / "srv"
+    r = runner.invoke(app, ["cert", "issue-server", "cp.internal", "10.0.0.5", "--host", "::1", "--dir", str(pki), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "cp.internal, 10.0.0.5, ::1" in r.output
+    assert san_names(load_cert(out / "server.pem")) == ["cp.internal", "10.0.0.5", "::1"]
+    verify_issued_by(pki / "ca.pem", out / "server.pem")
+
+    r = runner.invoke(app, ["cert", "issue-client", "gpu-a-01", "--dir", str(pki)])
+    assert r.exit_code == 0, r.output
+    assert f"wrote {pki / 'gpu-a-01.pem'}" in r.output
+    assert common_name(load_cert(pki / "gpu-a-01.pem")) == "gpu-a-01"
+
+
+def test_refusals(tmp_path):
+    pki = tmp_path / "pki"
+    r = runner.invoke(app, ["cert", "issue-client", "node-a", "--dir", str(pki)])
+    assert r.exit_code == 1 and "no authority in" in r.output and "init-ca" in r.output
+    runner.invoke(app, ["cert", "init-ca", "--dir", str(pki)])
+    r = runner.invoke(app, ["cert", "issue-server", "--dir", str(pki)])
+    assert r.exit_code == 1 and "at least one name" in r.output
+    r = runner.invoke(app, ["cert", "issue-server", "bad_name", "--dir", str(pki)])
+    assert r.exit_code == 1 and "'bad_name'" in r.output
+    r = runner.invoke(app, ["cert", "issue-client", "node_a", "--dir", str(pki)])
+    assert r.exit_code == 1 and "not a valid node id" in r.output
+    assert sorted(p.name for p in pki.iterdir()) == ["ca-key.pem", "ca.pem"]
