@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from llmgw.config.agent import AgentConfig
+from llmgw.pki import PKIError, client_context
 
 log = logging.getLogger("llmgw.agent.client")
 
@@ -32,14 +33,9 @@ def tls_context(cfg: AgentConfig) -> ssl.SSLContext | None:
     if cfg.tls is None:
         return None
     try:
-        ctx = ssl.create_default_context(cafile=cfg.tls.ca)
-        ctx.load_cert_chain(cfg.tls.cert, cfg.tls.key)
-    except FileNotFoundError as exc:
-        raise LinkError(f"tls: {exc.filename} does not exist; issue the node's certificate with "
-                        "`llmgw ctl cert issue-client NODE` and copy it here") from None
-    except ssl.SSLError as exc:
-        raise LinkError(f"tls: the certificate files cannot be used: {exc.reason or exc}") from None
-    return ctx
+        return client_context(cfg.tls.ca, cfg.tls.cert, cfg.tls.key)
+    except PKIError as exc:
+        raise LinkError(f"tls: {exc}") from None
 
 
 def next_delay(previous: float, base: float, cap: float) -> tuple[float, float]:
