@@ -88,7 +88,10 @@ class ControlPlaneLink:
         except aiohttp.WSServerHandshakeError as exc:
             # The control plane answered and refused: a standby, or a certificate that
             # names another node. Its words go to the operator as they are.
-            self.last_error = f"{addr} refused the stream ({exc.status}): {exc.message}"
+            # aiohttp keeps only the status line of a refused upgrade; the control
+            # plane repeats its reason in a header so it reaches the operator.
+            reason = (exc.headers or {}).get("X-Llmgw-Refusal") or exc.message
+            self.last_error = f"{addr} refused the stream ({exc.status}): {reason}"
             log.warning("%s", self.last_error)
             return False
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:

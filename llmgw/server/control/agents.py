@@ -1,0 +1,641 @@
+"""The control plane's side of the agent stream: one WebSocket per node.
+
+Agents dial in and register; this service keeps a ``Node`` record per node id
+from their registrations and heartbeats, decides liveness (unreachable, then
+lost, when heartbeats stop), and is the only way commands reach nodes:
+``send`` for fire-and-forget messages, ``request`` for those answered by an
+``ack`` or a ``logs_reply`` carrying the same envelope id.
+
+A standby refuses the stream before reading anything: commands travel down
+the stream the agent opened, so a standby holding it would leave the leader
+with "no agent connected". Node records are not stored: after a restart the
+fleet registers again and says everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+
+from llmgw.protocol import (
+    FEATURE_DRAIN,
+    FEATURE_LOGS,
+    FEATURE_REMOVE_WEIGHTS,
+    Ack,
+    DrainShard,
+    FabricAttachment,
+    GPUUsage,
+    Heartbeat,
+    IBPort,
+    IMEX,
+    LocalWeights,
+    LogsReply,
+    LogsRequest,
+    MemoryInfo,
+    Message,
+    NodeInventory,
+    NodeLoad,
+    ProtocolError,
+    ProvisionState,
+    ProvisionStatus,
+    Register,
+    RemoveWeights,
+    RunningShard,
+    ShardState,
+    ShardStatus,
+    Storage,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("llmgw.server.control.agents")
+
+# Must equal llmgw.agent.client.STREAM_PATH; defined again here because the
+# server does not import the agent's internals (they share only protocol).
+STREAM_PATH = "/v1/agent/stream"
+# Carries the reason of a stream refused before the upgrade (a standby).
+REFUSAL_HEADER = "X-Llmgw-Refusal"
+
+# Requests an agent answers only when it listed the feature at registration.
+_FEATURE_OF: dict[type[Message], str] = {
+    LogsRequest: FEATURE_LOGS,
+    RemoveWeights: FEATURE_REMOVE_WEIGHTS,
+    DrainShard: FEATURE_DRAIN,
+}
+
+# WebSocket close codes: 1008 policy violation (refused), 1001 going away.
+_CLOSE_REFUSED = 1008
+_CLOSE_GOING_AWAY = 1001
+
+
+class NodeState(StrEnum):
+    READY = "ready"
+    UNREACHABLE = "unreachable"  # no heartbeat for unreachable_after: nothing new is placed there
+    LOST = "lost"  # no heartbeat for lost_after: its replicas are placed elsewhere
+
+
+class AgentServiceError(Exception):
+    """A command that cannot reach a node, or a node operation refused; the message says why."""
+
+
+class NotConnected(AgentServiceError):
+    pass
+
+
+class RequestTimeout(AgentServiceError, TimeoutError):
+    pass
+
+
+class Leadership(Protocol):
+    def is_leader(self) -> bool: ...
+
+
+Identity = Callable[[web.Request], "str | None"]
+
+
+def _utc(ts: float | None) -> str:
+    if ts is None:
+        return "never"
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@dataclass
+class Node:
+    """What the control plane knows of a node, from its registration and heartbeats.
+
+    None means "not reported" (an older agent, or nothing said yet), never zero.
+    """
+
+    node_id: str
+    state: NodeState = NodeState.READY
+    connected: bool = False
+    registered_at: float | None = None  # wall clock, for people
+    last_seen: float | None = None  # wall clock of the last message
+    unreachable_since: float | None = None
+    disconnected_at: float | None = None
+    remote: str | None = None  # the peer address of the stream
+    protocol_version: int | None = None
+    agent_version: str | None = None
+    features: list[str] | None = None
+    inventory: NodeInventory | None = None
+    installable_engines: list[str] | None = None
+    engine_versions: dict[str, str] | None = None
+    provision: dict[str, ProvisionStatus] = field(default_factory=dict)  # by engine
+    labels: dict[str, str] | None = None
+    mgmt_addr: str | None = None
+    mgmt_interface: str | None = None
+    fabrics: list[FabricAttachment] | None = None
+    memory: MemoryInfo | None = None
+    load: NodeLoad | None = None
+    storage: list[Storage] | None = None
+    gpus: list[GPUUsage] | None = None
+    ib_ports: list[IBPort] | None = None
+    imex: IMEX | None = None
+    weights: list[LocalWeights] | None = None
+    # Latest status per shard (fetch progress included); the shards described at
+    # the last registration, with their specs, are for adopting after a restart.
+    shards: dict[str, ShardStatus] = field(default_factory=dict)
+    registered_shards: list[RunningShard] = field(default_factory=list)
+    _seen_mono: float = 0.0  # monotonic clock of last_seen, for liveness
+
+    def ready_engines(self) -> set[str]:
+        """Engines proved installed: reported in engine_versions or provisioned ready."""
+        out = set(self.engine_versions or ())
+        out.update(e for e, st in self.provision.items() if st.state == ProvisionState.READY)
+        return out
+
+
+@dataclass(frozen=True)
+class ShardEvent:
+    """A shard's status changed on a node. ``status`` None: the agent no longer
+    reports the shard. ``transition`` False: the same state again with new fetch
+    progress, which must not reset a startup timer."""
+
+    node_id: str
+    shard_id: str
+    status: ShardStatus | None
+    previous: ShardStatus | None
+    transition: bool
+
+
+ShardListener = Callable[[ShardEvent], None]
+
+
+class _Conn:
+    def __init__(self, node_id: str, ws: web.WebSocketResponse) -> None:
+        self.node_id = node_id
+        self.ws = ws
+        self.lock = asyncio.Lock()  # one frame at a time on the socket
+        self.pending: dict[str, asyncio.Future] = {}
+
+    async def write(self, msg: Message) -> None:
+        data = encode(msg)
+        async with self.lock:
+            await self.ws.send_bytes(data)
+
+
+class AgentService:
+    def __init__(
+        self,
+        *,
+        leadership: Leadership | None = None,
+        identity: Identity | None = None,
+        require_identity: bool = False,
+        unreachable_after: float = 15.0,
+        lost_after: float = 60.0,
+        check_interval: float = 1.0,
+        register_timeout: float = 10.0,
+        max_msg_size: int = 64 << 20,
+    ) -> None:
+        if not 0 < unreachable_after < lost_after:
+            raise ValueError(
+                f"unreachable_after ({unreachable_after}s) must be above 0 and below lost_after ({lost_after}s)"
+            )
+        if check_interval <= 0:
+            raise ValueError(f"check_interval must be above 0, not {check_interval}")
+        self.leadership = leadership
+        self.identity = identity
+        self.require_identity = require_identity
+        self.unreachable_after = unreachable_after
+        self.lost_after = lost_after
+        self.check_interval = check_interval
+        self.register_timeout = register_timeout
+        self.max_msg_size = max_msg_size
+        self._nodes: dict[str, Node] = {}
+        self._conns: dict[str, _Conn] = {}
+        self._ids = itertools.count(1)
+        self._listeners: list[ShardListener] = []
+        self._timer: asyncio.Task | None = None
+
+    # -- wiring ---------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        """The stream route, and the liveness timer tied to the app's lifetime."""
+        app.router.add_get(STREAM_PATH, self.handle)
+        app.on_startup.append(lambda _app: self.start())
+        app.on_shutdown.append(lambda _app: self.close())
+
+    async def start(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.create_task(self._liveness_loop(), name="agent liveness")
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)
+            self._timer = None
+        for conn in list(self._conns.values()):
+            await conn.ws.close(code=_CLOSE_GOING_AWAY, message=b"the control plane is shutting down")
+
+    def on_shard_change(self, listener: ShardListener) -> None:
+        """Call ``listener`` on every shard status change (the reconciler's hook).
+        A listener that raises is logged and does not stop the others."""
+        self._listeners.append(listener)
+
+    # -- reading --------------------------------------------------------------
+
+    def get(self, node_id: str) -> Node | None:
+        return self._nodes.get(node_id)
+
+    def nodes(self) -> list[Node]:
+        return [self._nodes[k] for k in sorted(self._nodes)]
+
+    def is_connected(self, node_id: str) -> bool:
+        return node_id in self._conns
+
+    # -- commands -------------------------------------------------------------
+
+    async def send(self, node_id: str, msg: Message) -> None:
+        """Send ``msg`` down ``node_id``'s stream, expecting no answer."""
+        conn = self._conn_for(node_id, msg)
+        try:
+            await conn.write(msg)
+        except (ConnectionError, RuntimeError) as exc:
+            raise NotConnected(f"node {node_id}: the stream broke while sending {msg.TYPE}: {exc}") from None
+
+    async def request(self, node_id: str, msg: Message, timeout: float = 30.0) -> Ack | LogsReply:
+        """Send ``msg`` with a fresh envelope id and wait for the reply carrying
+        it. An ack with ok=False is returned, not raised: the caller knows what
+        the refusal means for it."""
+        conn = self._conn_for(node_id, msg)
+        rid = f"cp-{next(self._ids)}"
+        out = msg.model_copy(update={"id": rid})
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        conn.pending[rid] = fut
+        try:
+            try:
+                await conn.write(out)
+            except (ConnectionError, RuntimeError) as exc:
+                raise NotConnected(f"node {node_id}: the stream broke while sending {msg.TYPE}: {exc}") from None
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            except asyncio.TimeoutError:
+                raise RequestTimeout(
+                    f"node {node_id} did not answer {msg.TYPE} (id {rid}) within {timeout:g}s"
+                ) from None
+        finally:
+            conn.pending.pop(rid, None)
+
+    def remove(self, node_id: str) -> Node:
+        """Forget a lost node; any other state is refused, saying it."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise AgentServiceError(f"no node named {node_id} is known")
+        if node_id in self._conns:
+            raise AgentServiceError(f"node {node_id} is {node.state.value} and its agent is connected; "
+                                    "stop the agent first, then remove the node once it is lost")
+        if node.state != NodeState.LOST:
+            since = f" (last heartbeat {_utc(node.last_seen)})" if node.state != NodeState.READY else ""
+            raise AgentServiceError(
+                f"node {node_id} is {node.state.value}{since}; only a lost node can be removed "
+                f"(lost after {self.lost_after:g}s without a heartbeat)"
+            )
+        del self._nodes[node_id]
+        log.info("node %s removed", node_id)
+        return node
+
+    def _conn_for(self, node_id: str, msg: Message) -> _Conn:
+        conn = self._conns.get(node_id)
+        if conn is None:
+            node = self._nodes.get(node_id)
+            if node is None:
+                raise NotConnected(f"node {node_id} is not connected (no agent with this id has registered)")
+            if node.state != NodeState.READY:
+                raise NotConnected(f"node {node_id} is not connected ({node.state.value} since "
+                                   f"{_utc(node.unreachable_since)})")
+            raise NotConnected(f"node {node_id} is not connected (its stream closed at {_utc(node.disconnected_at)})")
+        feature = _FEATURE_OF.get(type(msg))
+        if feature is not None:
+            features = self._nodes[node_id].features or []
+            if feature not in features:
+                agent = self._nodes[node_id].agent_version or "unknown"
+                raise AgentServiceError(
+                    f"node {node_id}'s agent (version {agent}) does not answer {msg.TYPE}; upgrade it"
+                )
+        return conn
+
+    # -- the stream -----------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.leadership is not None and not self.leadership.is_leader():
+            # Refused before the upgrade, so nothing is read. aiohttp's client hides
+            # the body of a failed handshake but keeps the headers, so the sentence
+            # travels in a header as well, for the agent to log.
+            text = "this control plane is a standby and does not take agent streams; connect to the leader"
+            return web.Response(status=503, reason=text, text=text + "\n", headers={REFUSAL_HEADER: text})
+        ws = web.WebSocketResponse(max_msg_size=self.max_msg_size, heartbeat=20.0)
+        await ws.prepare(request)
+        reg = await self._read_register(ws)
+        if reg is None:
+            return ws
+        claimed = reg.node_id
+        refusal = self._check_identity(request, claimed)
+        if refusal is not None:
+            log.warning("refused the stream from %s: %s", request.remote, refusal)
+            await self._refuse(ws, reg.id, refusal)
+            return ws
+
+        conn = _Conn(claimed, ws)
+        old = self._conns.get(claimed)
+        self._conns[claimed] = conn
+        if old is not None:
+            log.warning("node %s connected again from %s; closing its previous stream", claimed, request.remote)
+            self._fail_pending(old, f"node {claimed} connected again; the stream this request went down was closed")
+            await old.ws.close(code=_CLOSE_GOING_AWAY, message=b"replaced by a newer connection from the same node")
+        self._apply_register(reg, request.remote)
+        try:
+            async for frame in ws:
+                if frame.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                    await self._on_frame(conn, frame.data)
+                elif frame.type == aiohttp.WSMsgType.ERROR:
+                    log.warning("the stream from node %s broke: %s", claimed, ws.exception())
+        finally:
+            if self._conns.get(claimed) is conn:
+                del self._conns[claimed]
+                node = self._nodes.get(claimed)
+                if node is not None:
+                    node.connected = False
+                    node.disconnected_at = time.time()
+                log.warning("the stream from node %s closed", claimed)
+            self._fail_pending(conn, f"the stream to node {claimed} closed before it answered")
+        return ws
+
+    async def _read_register(self, ws: web.WebSocketResponse) -> Register | None:
+        try:
+            frame = await ws.receive(timeout=self.register_timeout)
+        except asyncio.TimeoutError:
+            await self._refuse(ws, None, f"no register message within {self.register_timeout:g}s")
+            return None
+        if frame.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+            if not ws.closed:
+                await ws.close(code=_CLOSE_REFUSED, message=b"expected a register message first")
+            return None
+        try:
+            msg = decode(frame.data, sender="agent")
+        except ProtocolError as exc:
+            await self._refuse(ws, exc.msg_id, f"the first message must be a valid register: {exc}")
+            return None
+        if not isinstance(msg, Register):
+            await self._refuse(ws, msg.id, f"the first message must be register, not {msg.TYPE}")
+            return None
+        return msg
+
+    def _check_identity(self, request: web.Request, claimed: str) -> str | None:
+        if self.identity is None:
+            return None
+        try:
+            name = self.identity(request)
+        except Exception as exc:  # a broken callback refuses rather than admits
+            log.exception("the identity check failed")
+            return f"the client certificate could not be read: {exc}"
+        if name is None:
+            if self.require_identity:
+                return f"the stream claims node {claimed} but presented no client certificate"
+            return None
+        if name != claimed:
+            return (f"the client certificate names node {name} but the agent claims node {claimed}; "
+                    f"issue a certificate for {claimed} or set node_id to {name}")
+        return None
+
+    async def _refuse(self, ws: web.WebSocketResponse, msg_id: str | None, reason: str) -> None:
+        # The agent logs an ack with ok=false; a register carries no id, so the
+        # ack answers "register".
+        try:
+            await ws.send_bytes(encode(Ack(id=msg_id or "register", ok=False, error=reason)))
+        except (ConnectionError, RuntimeError):
+            pass
+        # A close reason is limited to 123 bytes; the ack above has the whole sentence.
+        await ws.close(code=_CLOSE_REFUSED, message=reason.encode()[:123])
+
+    async def _on_frame(self, conn: _Conn, data: str | bytes) -> None:
+        try:
+            msg = decode(data, sender="agent")
+        except ProtocolError as exc:
+            log.warning("node %s sent a message that was refused: %s", conn.node_id, exc)
+            if exc.msg_id:
+                await self._reply_error(conn, exc.msg_id, str(exc))
+            return
+        node = self._nodes.get(conn.node_id)
+        if node is None:  # removed while connected cannot happen (remove refuses), but stay safe
+            return
+        if isinstance(msg, (Ack, LogsReply)):
+            self._resolve(conn, msg)
+            return
+        if isinstance(msg, Heartbeat):
+            if msg.node_id is not None and msg.node_id != conn.node_id:
+                err = f"heartbeat for node {msg.node_id} on the stream of node {conn.node_id}; ignored"
+                log.warning("%s", err)
+                if msg.id:
+                    await self._reply_error(conn, msg.id, err)
+                return
+            self._apply_heartbeat(node, msg)
+        elif isinstance(msg, ShardStatus):
+            self._seen(node)
+            self._apply_shard(node, msg)
+        elif isinstance(msg, Register):
+            if msg.node_id != conn.node_id:
+                err = f"register for node {msg.node_id} on the stream of node {conn.node_id}; ignored"
+                log.warning("%s", err)
+                if msg.id:
+                    await self._reply_error(conn, msg.id, err)
+                return
+            self._apply_register(msg, node.remote)
+        if msg.id:
+            await self._reply(conn, Ack(id=msg.id, ok=True))
+
+    async def _reply_error(self, conn: _Conn, msg_id: str, error: str) -> None:
+        await self._reply(conn, Ack(id=msg_id, ok=False, error=error))
+
+    async def _reply(self, conn: _Conn, ack: Ack) -> None:
+        try:
+            await conn.write(ack)
+        except (ConnectionError, RuntimeError):
+            pass  # the stream is closing; its end is handled by the reader
+
+    def _resolve(self, conn: _Conn, msg: Ack | LogsReply) -> None:
+        fut = conn.pending.get(msg.id or "")
+        if fut is None or fut.done():
+            if isinstance(msg, Ack) and not msg.ok:
+                log.warning("node %s refused message %s: %s", conn.node_id, msg.id, msg.error)
+            else:
+                log.debug("node %s answered %s, which nothing is waiting for", conn.node_id, msg.id)
+            return
+        fut.set_result(msg)
+
+    @staticmethod
+    def _fail_pending(conn: _Conn, reason: str) -> None:
+        for fut in conn.pending.values():
+            if not fut.done():
+                fut.set_exception(NotConnected(reason))
+        conn.pending.clear()
+
+    # -- applying reports -----------------------------------------------------
+
+    def _seen(self, node: Node) -> None:
+        node.last_seen = time.time()
+        node._seen_mono = time.monotonic()
+        if node.state != NodeState.READY:
+            was = node.state
+            node.state = NodeState.READY
+            node.unreachable_since = None
+            log.info("node %s is ready again (was %s); it can take new work", node.node_id, was.value)
+
+    def _apply_register(self, reg: Register, remote: str | None) -> None:
+        node = self._nodes.get(reg.node_id)
+        new = node is None
+        if node is None:
+            node = self._nodes[reg.node_id] = Node(node_id=reg.node_id)
+        before_engines = node.ready_engines()
+        before_mem = _total_mem(node)
+        was_ready = not new and node.state == NodeState.READY and node.connected
+        node.connected = True
+        node.remote = remote
+        node.registered_at = time.time()
+        node.disconnected_at = None
+        node.protocol_version = reg.protocol_version
+        node.agent_version = reg.agent_version
+        node.features = reg.features
+        node.inventory = reg.inventory
+        node.installable_engines = reg.installable_engines
+        node.engine_versions = reg.engine_versions
+        node.labels = reg.labels
+        node.mgmt_addr = reg.mgmt_addr
+        node.mgmt_interface = reg.mgmt_interface
+        node.fabrics = reg.fabrics
+        node.weights = reg.weights
+        if reg.inventory is not None:
+            node.memory = reg.inventory.memory or node.memory
+            node.storage = reg.inventory.storage or node.storage
+            node.imex = reg.inventory.imex or node.imex
+        node.registered_shards = list(reg.shards or ())
+        # The registration lists every shard: any other one is gone.
+        reported = {s.shard_id: s for s in node.registered_shards}
+        for sid in [s for s in node.shards if s not in reported]:
+            if node.shards[sid].state != ShardState.PENDING:
+                self._drop_shard(node, sid)
+        for rs in reported.values():
+            if rs.state is not None:
+                self._apply_shard(node, ShardStatus(shard_id=rs.shard_id, replica_id=rs.replica_id,
+                                                    state=rs.state, pid=rs.pid))
+        state_before = node.state
+        self._seen(node)
+        gpus = len(reg.inventory.gpus or ()) if reg.inventory else 0
+        log.info("node %s registered from %s (agent %s, protocol %s, %d GPU(s), %d shard(s) running)",
+                 reg.node_id, remote, reg.agent_version or "unknown", reg.protocol_version, gpus, len(reported))
+        if not was_ready and state_before == NodeState.READY:
+            log.info("node %s is ready; it can take new work", reg.node_id)
+        self._log_gains(node, before_engines, before_mem)
+
+    def _apply_heartbeat(self, node: Node, hb: Heartbeat) -> None:
+        before_engines = node.ready_engines()
+        before_mem = _total_mem(node)
+        self._seen(node)
+        # Re-read every time; None is "not reported this time", so the last value stays.
+        for name in ("memory", "load", "storage", "gpus", "ib_ports", "imex", "fabrics", "weights",
+                     "engine_versions"):
+            value = getattr(hb, name)
+            if value is not None:
+                setattr(node, name, value)
+        for st in hb.provision or ():
+            # Merged by engine: the agent sends one engine's status when only it changed.
+            node.provision[st.engine] = st
+        if hb.shards is not None:
+            listed = {s.shard_id for s in hb.shards}
+            for sid in [s for s in node.shards if s not in listed]:
+                # A shard still fetching its weights is reported only by shard_status,
+                # not in heartbeats; anything else missing is gone.
+                if node.shards[sid].state != ShardState.PENDING:
+                    self._drop_shard(node, sid)
+            for st in hb.shards:
+                self._apply_shard(node, st)
+        self._log_gains(node, before_engines, before_mem)
+
+    def _apply_shard(self, node: Node, st: ShardStatus) -> None:
+        prev = node.shards.get(st.shard_id)
+        if prev is not None and prev.state == st.state:
+            # The same state again is progress or a repeat, not a transition. A
+            # heartbeat repeats states without fetch progress or output, so what
+            # the repeat leaves out is kept.
+            keep = {k: getattr(prev, k) for k in ("replica_id", "output_tail", "fetch", "reason", "pid")
+                    if getattr(st, k) is None and getattr(prev, k) is not None}
+            merged = st.model_copy(update=keep) if keep else st
+            node.shards[st.shard_id] = merged
+            if merged.model_dump() != prev.model_dump():
+                self._notify(ShardEvent(node.node_id, st.shard_id, merged, prev, transition=False))
+            return
+        node.shards[st.shard_id] = st
+        if st.state == ShardState.READY:
+            log.info("shard %s on node %s is ready", st.shard_id, node.node_id)
+        elif st.state == ShardState.FAILED:
+            log.warning("shard %s on node %s failed: %s", st.shard_id, node.node_id, st.reason or "no reason given")
+        self._notify(ShardEvent(node.node_id, st.shard_id, st, prev, transition=True))
+
+    def _drop_shard(self, node: Node, sid: str) -> None:
+        prev = node.shards.pop(sid)
+        self._notify(ShardEvent(node.node_id, sid, None, prev, transition=True))
+
+    def _notify(self, ev: ShardEvent) -> None:
+        for fn in self._listeners:
+            try:
+                fn(ev)
+            except Exception:
+                log.exception("a shard listener failed on %s/%s", ev.node_id, ev.shard_id)
+
+    def _log_gains(self, node: Node, before_engines: set[str], before_mem: int | None) -> None:
+        # "The node now qualifies" explains a placement that happens late.
+        for engine in sorted(node.ready_engines() - before_engines):
+            version = (node.engine_versions or {}).get(engine) or (
+                node.provision[engine].version if engine in node.provision else None)
+            log.info("node %s now has %s%s ready; it qualifies for models that need it", node.node_id, engine,
+                     f" {version}" if version else "")
+        after_mem = _total_mem(node)
+        if before_mem is not None and after_mem is not None and after_mem > before_mem:
+            log.info("node %s now has %.1f GiB of memory (was %.1f GiB)", node.node_id,
+                     after_mem / 2**30, before_mem / 2**30)
+
+    # -- liveness ---------------------------------------------------------------
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.check_interval)
+            try:
+                await self.check()
+            except Exception:  # the timer must outlive one bad pass
+                log.exception("the liveness check failed")
+
+    async def check(self, now: float | None = None) -> None:
+        """Mark nodes unreachable or lost by the time since their last message;
+        drop every stream when this control plane has stopped leading."""
+        if self.leadership is not None and self._conns and not self.leadership.is_leader():
+            log.warning("no longer the leader; closing %d agent stream(s)", len(self._conns))
+            for conn in list(self._conns.values()):
+                await conn.ws.close(code=_CLOSE_GOING_AWAY,
+                                    message=b"this control plane is now a standby; connect to the leader")
+        now = time.monotonic() if now is None else now
+        for node in self._nodes.values():
+            age = now - node._seen_mono
+            if age >= self.lost_after and node.state != NodeState.LOST:
+                if node.unreachable_since is None:
+                    node.unreachable_since = time.time()
+                node.state = NodeState.LOST
+                log.warning("node %s is lost: no heartbeat for %.0fs (last %s); its work is placed elsewhere",
+                            node.node_id, age, _utc(node.last_seen))
+            elif self.unreachable_after <= age < self.lost_after and node.state == NodeState.READY:
+                node.state = NodeState.UNREACHABLE
+                node.unreachable_since = time.time()
+                log.warning("node %s is unreachable: no heartbeat for %.0fs (last %s); nothing new is placed there",
+                            node.node_id, age, _utc(node.last_seen))
+
+
+def _total_mem(node: Node) -> int | None:
+    return node.memory.total_bytes if node.memory is not None else None
