@@ -11,6 +11,7 @@ import asyncio
 import logging
 import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -21,6 +22,7 @@ from llmgw.pki import PKIError, client_context
 log = logging.getLogger("llmgw.agent.client")
 
 STREAM_PATH = "/v1/agent/stream"
+_HEALTHY_SESSION = 5.0  # seconds a session must last to reset the backoff
 
 Session = Callable[[aiohttp.ClientWebSocketResponse, str], Awaitable[None]]
 
@@ -79,7 +81,7 @@ class ControlPlaneLink:
                     pass
 
     async def _attempt(self, http: aiohttp.ClientSession, addr: str, stop: asyncio.Event) -> bool:
-        """One connection; True when a session was established (whatever ended it)."""
+        """One connection; True when a session was established and lasted (whatever ended it)."""
         url = addr + STREAM_PATH
         try:
             ws = await http.ws_connect(url, ssl=self._ssl if self._ssl is not None else True,
@@ -99,6 +101,7 @@ class ControlPlaneLink:
             log.warning("cannot reach the control plane at %s", self.last_error)
             return False
         self.connected_to = addr
+        started = time.monotonic()
         log.info("connected to the control plane at %s", addr)
         session = asyncio.create_task(self._session(ws, addr))
         stopper = asyncio.create_task(stop.wait())
@@ -119,4 +122,7 @@ class ControlPlaneLink:
             self.connected_to = None
         if not stop.is_set():
             log.warning("the stream to %s ended", addr)
-        return True
+        # A stream refused or dropped right after it opened (a rejected certificate, a
+        # control plane restarting) counts as a failure, so reconnecting backs off
+        # instead of hammering the control plane.
+        return time.monotonic() - started >= _HEALTHY_SESSION

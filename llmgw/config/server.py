@@ -157,6 +157,22 @@ class UsageConfig(_Block):
     )
 
 
+class AgentTLSConfig(_Block):
+    """The agent listener's certificate, and the authority agents' certificates must come from."""
+
+    ca: str = Field(default="/etc/llmgw/pki/ca.pem", description="The fleet's certificate authority.")
+    cert: str = Field(default="/etc/llmgw/pki/server.pem", description="This control plane's certificate; its names must hold every address agents dial.")
+    key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
+
+
+class ControlConfig(_Block):
+    """The control plane: nodes connect and are driven from here."""
+
+    enabled: bool = Field(default=False, description="Listen for node agents on agent_listen.")
+    unreachable_after: Duration = Field(default=15.0, description="A node with no message for this long is unreachable.")
+    lost_after: Duration = Field(default=60.0, description="A node with no message for this long is lost.")
+
+
 class ServerConfig(_Block):
     """server.yaml."""
 
@@ -167,6 +183,12 @@ class ServerConfig(_Block):
     metrics_listen: Listen | None = Field(
         default=parse_listen(":9091"), description="Prometheus metrics only; null turns it off."
     )
+    agent_listen: Listen = Field(default=parse_listen(":7443"), description="Node agents' stream (with control.enabled).")
+    agent_tls: AgentTLSConfig | None = Field(
+        default_factory=AgentTLSConfig,
+        description="Mutual TLS for agents; null means plaintext, for one trusted machine only.",
+    )
+    control: ControlConfig = Field(default_factory=ControlConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
@@ -185,6 +207,10 @@ class ServerConfig(_Block):
         listeners = {"listen": self.listen, "admin_listen": self.admin_listen}
         if self.metrics_listen is not None:
             listeners["metrics_listen"] = self.metrics_listen
+        if self.control.enabled:
+            listeners["agent_listen"] = self.agent_listen
+        if self.control.lost_after <= self.control.unreachable_after:
+            raise ValueError("control.lost_after must be longer than control.unreachable_after")
         ports: dict[int, str] = {}
         for key, addr in listeners.items():
             if addr.port in ports and _overlap(addr, listeners[ports[addr.port]]):

@@ -7,6 +7,7 @@ import errno
 import gc
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 
@@ -16,6 +17,8 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.config.server import ServerConfig
 from llmgw.config.types import ListenAddress
+from llmgw.pki import PKIError, peer_node_id, server_context
+from llmgw.server.control.agents import AgentService
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
@@ -47,6 +50,7 @@ class Server:
         self.endpoints = EndpointSet(eps, config.router.scrape_interval, config.router.metrics_stale_after,
                                      config.timeouts.connect)
         self.gateway: Gateway | None = None
+        self.agents: AgentService | None = None
         self._runners: list[web.AppRunner] = []
         self.started_at = time.time()
 
@@ -70,6 +74,8 @@ class Server:
             await self._listen(cfg.admin_listen, "admin_listen", self._admin_app())
             if cfg.metrics_listen is not None:
                 await self._listen(cfg.metrics_listen, "metrics_listen", self._metrics_app())
+            if cfg.control.enabled:
+                await self._listen(cfg.agent_listen, "agent_listen", self._agent_app(), self._agent_tls())
         except StartError:
             await self.stop()
             raise
@@ -96,12 +102,13 @@ class Server:
             await self.store.close()
             self.store = None
 
-    async def _listen(self, addr: ListenAddress, key: str, app: web.Application) -> None:
+    async def _listen(self, addr: ListenAddress, key: str, app: web.Application,
+                      ssl_context: ssl.SSLContext | None = None) -> None:
         runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                                shutdown_timeout=self.config.timeouts.drain)
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, addr.bind_host, addr.port, reuse_address=True)
+        site = web.TCPSite(runner, addr.bind_host, addr.port, reuse_address=True, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as exc:
@@ -131,6 +138,28 @@ class Server:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/api/v1/endpoints", self._api_endpoints)
         app.router.add_get("/api/v1/status", self._api_status)
+        app.router.add_get("/api/v1/nodes", self._api_nodes)
+        return app
+
+    def _agent_tls(self) -> ssl.SSLContext | None:
+        tls = self.config.agent_tls
+        if tls is None:
+            log.warning("agent_tls is null: agents connect in plaintext on %s; for one trusted machine only",
+                        self.config.agent_listen)
+            return None
+        try:
+            return server_context(tls.ca, tls.cert, tls.key)
+        except PKIError as exc:
+            raise StartError(f"agent_tls: {exc} (create them with `llmgw ctl cert init-ca` and "
+                             "`llmgw ctl cert issue-server NAME...`)") from None
+
+    def _agent_app(self) -> web.Application:
+        c = self.config.control
+        mtls = self.config.agent_tls is not None
+        self.agents = AgentService(identity=_certificate_node if mtls else None, require_identity=mtls,
+                                   unreachable_after=c.unreachable_after, lost_after=c.lost_after)
+        app = web.Application()
+        self.agents.add_routes(app)
         return app
 
     def _metrics_app(self) -> web.Application:
@@ -166,6 +195,22 @@ class Server:
             })
         return web.json_response({"endpoints": out}, dumps=_dumps)
 
+    async def _api_nodes(self, request: web.Request) -> web.Response:
+        if self.agents is None:
+            return error_response(404, "this server is not a control plane (control.enabled is false)", "not_a_control_plane")
+        out = []
+        for n in self.agents.nodes():
+            out.append({
+                "node_id": n.node_id, "state": n.state.value, "connected": n.connected, "last_seen": n.last_seen,
+                "agent_version": n.agent_version, "mgmt_addr": n.mgmt_addr, "mgmt_interface": n.mgmt_interface,
+                "labels": n.labels, "engines": n.engine_versions,
+                "provision": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.provision.items()},
+                "memory": n.memory.model_dump(mode="json", exclude_none=True) if n.memory else None,
+                "gpus": len(n.inventory.gpus or ()) if n.inventory else None,
+                "shards": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.shards.items()},
+            })
+        return web.json_response({"nodes": out}, dumps=_dumps)
+
     async def _api_status(self, request: web.Request) -> web.Response:
         usage = self.usage
         return web.json_response({
@@ -175,6 +220,11 @@ class Server:
             "auth_enabled": self.config.auth.enabled,
             "usage": {"pending": usage.pending, "written": usage.written, "dropped": usage.dropped} if usage else None,
         }, dumps=_dumps)
+
+
+def _certificate_node(request: web.Request) -> str | None:
+    """The node named by the client certificate the TLS handshake verified."""
+    return peer_node_id(request.transport.get_extra_info("ssl_object") if request.transport else None)
 
 
 def _dumps(obj: object) -> str:

@@ -27,6 +27,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from llmgw.pki import check_claim
 from llmgw.protocol import (
     FEATURE_DRAIN,
     FEATURE_LOGS,
@@ -398,14 +399,9 @@ class AgentService:
         except Exception as exc:  # a broken callback refuses rather than admits
             log.exception("the identity check failed")
             return f"the client certificate could not be read: {exc}"
-        if name is None:
-            if self.require_identity:
-                return f"the stream claims node {claimed} but presented no client certificate"
+        if name is None and not self.require_identity:
             return None
-        if name != claimed:
-            return (f"the client certificate names node {name} but the agent claims node {claimed}; "
-                    f"issue a certificate for {claimed} or set node_id to {name}")
-        return None
+        return check_claim(name, claimed)
 
     async def _refuse(self, ws: web.WebSocketResponse, msg_id: str | None, reason: str) -> None:
         # The agent logs an ack with ok=false; a register carries no id, so the

@@ -1,0 +1,72 @@
+"""`llmgw server` as a control plane: real agents connect over mutual TLS with certificates from `llmgw ctl cert`."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import httpx
+import pytest
+import yaml
+
+from harness import Gateway, Proc, free_port, llmgw_cmd
+
+pytestmark = pytest.mark.e2e
+
+
+def _ctl(*args: str) -> None:
+    r = subprocess.run(llmgw_cmd("ctl", "cert", *args), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def _agent(tmp_path, name: str, cert_node: str, port: int, pki) -> Proc:
+    cfg = tmp_path / f"agent-{name}.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "server": f"127.0.0.1:{port}", "node_id": name,
+        "tls": {"ca": str(pki / "ca.pem"), "cert": str(pki / f"{cert_node}.pem"), "key": str(pki / f"{cert_node}-key.pem")},
+        "heartbeat_interval": "500ms", "reconnect_base": "300ms", "reconnect_max": "1s",
+        "weights_cache": str(tmp_path / name / "weights"), "engines_dir": str(tmp_path / name / "engines"),
+        "supervisor": {"work_dir": str(tmp_path / name / "state")}, "discovery": {"skip_gpus": True},
+    }))
+    return Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / f"agent-{name}.log")
+
+
+def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_path):
+    pki = tmp_path / "pki"
+    _ctl("init-ca", "--dir", str(pki))
+    _ctl("issue-server", "127.0.0.1", "localhost", "--dir", str(pki))
+    _ctl("issue-client", "node-a", "--dir", str(pki))
+    _ctl("issue-client", "node-b", "--dir", str(pki))
+    agent_port = free_port()
+    gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{agent_port}",
+                 agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
+                 control={"enabled": True}).wait_up(ready=False)
+    good = _agent(tmp_path, "node-a", "node-a", agent_port, pki)
+    # node-c presents node-b's certificate: the control plane refuses it, naming both.
+    impostor = _agent(tmp_path, "node-c", "node-b", agent_port, pki)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            nodes = {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes").json()["nodes"]}
+            if "node-a" in nodes and nodes["node-a"]["memory"]:
+                break
+            assert time.monotonic() < deadline, f"node-a did not register:\n{good.text()[-3000:]}\n{gw.text()[-3000:]}"
+            time.sleep(0.2)
+        assert nodes["node-a"]["state"] == "ready" and nodes["node-a"]["connected"]
+        deadline = time.monotonic() + 15
+        while "the certificate is for node-b but the agent claims to be node-c" not in impostor.text():
+            assert time.monotonic() < deadline, f"no refusal logged:\n{impostor.text()[-3000:]}"
+            time.sleep(0.2)
+        assert "node-c" not in nodes
+    finally:
+        assert good.stop() == 0, good.text()[-3000:]
+        assert impostor.stop() == 0, impostor.text()[-3000:]
+        assert gw.stop() == 0, gw.text()[-3000:]
+
+
+def test_control_plane_refuses_to_start_without_its_certificates(tmp_path):
+    gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{free_port()}",
+                 agent_tls={"ca": str(tmp_path / "nope.pem"), "cert": str(tmp_path / "s.pem"), "key": str(tmp_path / "k.pem")},
+                 control={"enabled": True})
+    assert gw.proc.wait(30) == 1
+    assert "agent_tls:" in gw.text() and "llmgw ctl cert init-ca" in gw.text()
