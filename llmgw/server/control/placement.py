@@ -1,0 +1,625 @@
+"""Placement: which nodes (and which GPUs on them) a replica should run on.
+
+Deterministic and explainable. Filters refuse a node with words a person can
+act on ("node-3 has 8 GB of memory, needs 24"); preferences only rank the
+nodes that are left. The same views and request always give the same answer:
+every tie ends at the node id.
+
+Placing works on ``NodeView``s, flat snapshots built once from the agent
+service's ``Node`` records (``node_view``), so that placing a catalog over a
+large fleet does not re-read pydantic models for every request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llmgw.protocol import GPU, NIC_PATH_ORDER, GPUUsage, ProvisionState
+from llmgw.server.control.agents import Node, NodeState
+
+GiB = 1 << 30
+CPU_ENGINE = "llamacpp"  # the only engine that runs without a GPU
+
+# Distance of a GPU to an adapter: PIX nearest; a path not reported ranks last.
+_PATH_RANK = {p: i for i, p in enumerate(NIC_PATH_ORDER)}
+_UNKNOWN_PATH = len(NIC_PATH_ORDER)
+
+# Above this many GPU subsets to score, choose greedily: a 16-card node asked
+# for 8 would otherwise score 12,870 sets on every placement.
+_MAX_SUBSETS = 4096
+
+# Words in product names that say nothing about which card it is.
+_VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
+_MEMORY_WORD = re.compile(r"^\d+\s*gb$")
+
+
+# --------------------------------------------------------------- GPU classes
+
+
+def gpu_class_of(gpu: GPU) -> str:
+    """A GPU's class, model and memory: ``h100-80g``, ``l40s-45g``, ``a100-40g``.
+
+    Memory is rounded to whole GiB because that is how cards are sold and how
+    operators write ``gpu_class`` (an H100 reports 79.6 GiB, an L40S 44.99).
+    """
+    model = _gpu_model(gpu.name)
+    if gpu.memory_total_bytes is None:
+        return model
+    return f"{model}-{round(gpu.memory_total_bytes / GiB)}g"
+
+
+def _gpu_model(name: str | None) -> str:
+    if not name:
+        return "gpu"
+    # "NVIDIA A100-SXM4-40GB": the model is the first dash-separated part.
+    words = [w for w in re.split(r"[\s_]+", name.strip().lower()) if w]
+    words = [w for w in words if w not in _VENDOR_WORDS]
+    parts = [p for w in words for p in w.split("-") if p]
+    parts = [p for p in parts if not _MEMORY_WORD.match(p)]
+    if not parts:
+        return "gpu"
+    # "RTX 4090", "RTX A6000": the bare prefix would lump every RTX together.
+    if parts[0] == "rtx" and len(parts) > 1:
+        return "rtx" + parts[1]
+    return parts[0]
+
+
+# ---------------------------------------------------------------- node views
+
+
+@dataclass(frozen=True)
+class GPUView:
+    index: int
+    gpu_class: str
+    memory_gb: float | None = None
+    healthy: bool = True
+    problems: tuple[str, ...] = ()
+    free: bool = True  # not held by another replica
+    numa_node: int | None = None
+    nvlink_peers: frozenset[int] = frozenset()
+    nic_paths: Mapping[str, str] = field(default_factory=dict)
+    nvlink_domain: str | None = None  # multi-node NVLink domain, once joined
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What other replicas already hold on a node: GPU indexes and declared memory."""
+
+    gpus: frozenset[int] = frozenset()
+    memory_gb: float = 0.0
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    state: str = NodeState.READY.value
+    cordoned: bool = False
+    draining: bool = False
+    engines: Mapping[str, str] = field(default_factory=dict)  # ready engine -> version ("" unknown)
+    # False when the node has not said what it has (an older agent): it is
+    # then not refused for lack of an engine.
+    engines_probed: bool = True
+    provision: Mapping[str, str] = field(default_factory=dict)  # engine -> words, not ready ones
+    gpus: tuple[GPUView, ...] = ()
+    memory_total_gb: float | None = None
+    memory_claimed_gb: float = 0.0
+    disk_free_gb: float | None = None  # on the weights filesystem; None: unknown or shared
+    weights: frozenset[str] = frozenset()  # paths or sources of weights already here
+    labels: Mapping[str, str] = field(default_factory=dict)
+    fabrics: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # name -> adapters
+    nvlink_domain: str | None = None  # every card joined one domain and IMEX is up
+    # Derived once, so each request's filters are dictionary look-ups.
+    free_by_class: Mapping[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    free_gpus: int = field(init=False, repr=False, compare=False)
+    sort_key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_class: dict[str, list[int]] = {}
+        for g in self.gpus:
+            if g.free and g.healthy:
+                by_class.setdefault(g.gpu_class, []).append(g.index)
+        object.__setattr__(self, "free_by_class", {c: tuple(sorted(v)) for c, v in by_class.items()})
+        object.__setattr__(self, "free_gpus", sum(len(v) for v in by_class.values()))
+        object.__setattr__(self, "sort_key", natural_key(self.node_id))
+
+    @property
+    def memory_free_gb(self) -> float | None:
+        if self.memory_total_gb is None:
+            return None
+        return self.memory_total_gb - self.memory_claimed_gb
+
+    def with_claim(self, gpus: Iterable[int] = (), memory_gb: float = 0.0) -> NodeView:
+        """This node after a new replica takes ``gpus`` and declares ``memory_gb``."""
+        taken = set(gpus)
+        new_gpus = tuple(dataclasses.replace(g, free=False) if g.index in taken else g for g in self.gpus)
+        return dataclasses.replace(
+            self, gpus=new_gpus, memory_claimed_gb=self.memory_claimed_gb + (memory_gb or 0.0)
+        )
+
+
+def natural_key(s: str) -> tuple:
+    """node-2 before node-10, as a person reads them."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s))
+
+
+def node_view(
+    node: Node,
+    cordoned: bool = False,
+    draining: bool = False,
+    claims: Claims | None = None,
+) -> NodeView:
+    """Flatten a ``Node`` record (registration plus latest heartbeat) for placement."""
+    claims = claims or Claims()
+    inv = node.inventory
+
+    # Engines: proved ones with versions; words for those still being provisioned.
+    versions = node.engine_versions or {}
+    engines = {e: versions.get(e, "") for e in node.ready_engines()}
+    for e, st in node.provision.items():
+        if st.state == ProvisionState.READY and st.version and not engines.get(e):
+            engines[e] = st.version
+    provision: dict[str, str] = {}
+    for e, st in node.provision.items():
+        if e in engines or st.state == ProvisionState.READY:
+            continue
+        provision[e] = f"{st.state.value}: {st.detail}" if st.detail else st.state.value
+    probed = node.engine_versions is not None or bool(node.provision)
+
+    # GPUs: the inventory, with health figures from the latest heartbeat.
+    usage: dict[int, GPUUsage] = {u.index: u for u in node.gpus or ()}
+    gpus: list[GPUView] = []
+    domains: set[str | None] = set()
+    for g in (inv.gpus if inv else None) or ():
+        u = usage.get(g.index)
+        problems = list(g.problems or ())
+        ecc = u.ecc_uncorrected if u and u.ecc_uncorrected is not None else g.ecc_uncorrected
+        if ecc:
+            problems.append(f"{ecc} uncorrected ECC errors")
+        fab = (u.fabric if u and u.fabric else None) or g.fabric
+        domain = fab.domain if fab else None
+        domains.add(domain)
+        gpus.append(
+            GPUView(
+                index=g.index,
+                gpu_class=gpu_class_of(g),
+                memory_gb=g.memory_total_bytes / GiB if g.memory_total_bytes is not None else None,
+                healthy=not problems,
+                problems=tuple(problems),
+                free=g.index not in claims.gpus,
+                numa_node=g.numa_node,
+                nvlink_peers=frozenset(p.index for p in g.nvlink_peers or ()),
+                nic_paths=dict(g.nic_paths or {}),
+                nvlink_domain=domain,
+            )
+        )
+    # A node is in an NVLink domain only when every card joined the same one
+    # and IMEX, which shares memory across nodes, is running.
+    imex_up = bool(node.imex and (node.imex.state or "").lower() == "active")
+    nvlink_domain = None
+    if gpus and imex_up and len(domains) == 1:
+        nvlink_domain = next(iter(domains))
+
+    memory = node.memory or (inv.memory if inv else None)
+    total_gb = memory.total_bytes / GiB if memory and memory.total_bytes is not None else None
+
+    # The weights filesystem is the first one listed; a shared one is everyone's
+    # space and is not counted per node.
+    storage = node.storage or (inv.storage if inv else None) or []
+    disk_free = None
+    if storage and not storage[0].shared and storage[0].free_bytes is not None:
+        disk_free = storage[0].free_bytes / GiB
+
+    # An empty directory is not weights.
+    weights = frozenset(w.path for w in node.weights or () if w.size_bytes != 0)
+
+    return NodeView(
+        node_id=node.node_id,
+        state=node.state.value,
+        cordoned=cordoned,
+        draining=draining,
+        engines=engines,
+        engines_probed=probed,
+        provision=provision,
+        gpus=tuple(gpus),
+        memory_total_gb=total_gb,
+        memory_claimed_gb=claims.memory_gb,
+        disk_free_gb=disk_free,
+        weights=weights,
+        labels=dict(node.labels or {}),
+        fabrics={f.fabric: tuple(f.hcas or ()) for f in node.fabrics or ()},
+        nvlink_domain=nvlink_domain,
+    )
+
+
+# ------------------------------------------------------------------ requests
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    model: str
+    engine: str = CPU_ENGINE
+    gpu_class: str | None = None  # None: CPU
+    tp: int = 1  # GPUs per node
+    nodes: int = 1
+    min_memory_gb: float | None = None
+    disk_gb: float | None = None  # None: size of the weights unknown
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    source: str | None = None  # the weights, to prefer nodes that hold them
+
+    def __post_init__(self) -> None:
+        # Bad profiles are refused here rather than placed wrongly.
+        if self.gpu_class is None and self.engine != CPU_ENGINE:
+            raise ValueError(f"{self.engine} needs a gpu_class: only {CPU_ENGINE} runs on CPU")
+        if self.tp < 1 or self.nodes < 1:
+            raise ValueError("tp and nodes must be at least 1")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tp if self.gpu_class else 0
+
+
+# ------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    node_id: str
+    chosen: bool
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class Placement:
+    nodes: list[tuple[str, tuple[int, ...]]]  # (node id, GPU indexes), rank 0 first
+    explanation: str
+    ok: bool = dataclasses.field(default=True, init=False)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    model: str
+    verdicts: list[NodeVerdict]
+    ok: bool = dataclasses.field(default=False, init=False)
+
+    @property
+    def explanation(self) -> str:
+        if not self.verdicts:
+            return f"cannot place {self.model}: no nodes"
+        lines = [f"cannot place {self.model}:"]
+        lines += [f"  {r}" for v in self.verdicts for r in v.reasons]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------- filters
+
+
+def _n(x: float) -> str:
+    """A size as a person writes it: 8, 7.5, 120."""
+    if x >= 10 or abs(x - round(x)) < 0.05:
+        return str(int(round(x)))
+    return f"{x:.1f}"
+
+
+def _holds_weights(view: NodeView, source: str | None) -> bool:
+    if not source or not view.weights:
+        return False
+    if source in view.weights:
+        return True
+    # A node reports where it keeps the weights, not the URL they came from:
+    # match on the last part of the source (the file, or the set's directory).
+    tail = source.rstrip("/").rsplit("/", 1)[-1]
+    return bool(tail) and any(w.rstrip("/").rsplit("/", 1)[-1] == tail for w in view.weights)
+
+
+def _fits(v: NodeView, r: PlacementRequest) -> bool:
+    """The filters as one fast yes/no; ``_refusals`` says why for a no."""
+    if v.state != "ready" or v.cordoned or v.draining:
+        return False
+    if v.engines_probed and r.engine not in v.engines:
+        return False
+    if r.gpu_class and len(v.free_by_class.get(r.gpu_class, ())) < r.tp:
+        return False
+    if r.min_memory_gb and v.memory_total_gb is not None:
+        if v.memory_total_gb - v.memory_claimed_gb < r.min_memory_gb:
+            return False
+    if r.disk_gb and v.disk_free_gb is not None and v.disk_free_gb < r.disk_gb:
+        if not _holds_weights(v, r.source):
+            return False
+    for k, want in r.node_selector.items():
+        if v.labels.get(k) != want:
+            return False
+    return True
+
+
+def _refusals(v: NodeView, r: PlacementRequest) -> list[str]:
+    """Every filter this node fails, in words; empty when it fits."""
+    out: list[str] = []
+    nid = v.node_id
+    if v.state != "ready":
+        out.append(f"{nid} is {v.state}")
+    if v.cordoned:
+        out.append(f"{nid} is cordoned")
+    if v.draining:
+        out.append(f"{nid} is draining")
+    if v.engines_probed and r.engine not in v.engines:
+        if r.engine in v.provision:
+            out.append(f"{nid} cannot run {r.engine} yet: {v.provision[r.engine]}")
+        else:
+            out.append(f"{nid} does not have {r.engine} installed")
+    if r.gpu_class:
+        free = len(v.free_by_class.get(r.gpu_class, ()))
+        of_class = [g for g in v.gpus if g.gpu_class == r.gpu_class]
+        if not of_class:
+            classes = sorted({g.gpu_class for g in v.gpus})
+            has = f" (it has {', '.join(classes)})" if classes else " (it has no GPUs)"
+            out.append(f"{nid} has no {r.gpu_class} GPUs{has}")
+        elif free < r.tp:
+            held = sum(1 for g in of_class if not g.free)
+            bad = [g for g in of_class if not g.healthy]
+            why = []
+            if held:
+                why.append(f"{held} held by other replicas")
+            if bad:
+                why.append("unhealthy: " + "; ".join(f"GPU {g.index} {', '.join(g.problems)}" for g in bad))
+            suffix = f" ({'; '.join(why)})" if why else ""
+            out.append(f"{nid} has {free} free {r.gpu_class} GPUs, needs {r.tp}{suffix}")
+    if r.min_memory_gb and v.memory_total_gb is not None:
+        avail = v.memory_total_gb - v.memory_claimed_gb
+        if avail < r.min_memory_gb:
+            claimed = (
+                f" ({_n(v.memory_claimed_gb)} of {_n(v.memory_total_gb)} claimed by other replicas)"
+                if v.memory_claimed_gb
+                else ""
+            )
+            out.append(f"{nid} has {_n(max(avail, 0))} GB of memory, needs {_n(r.min_memory_gb)}{claimed}")
+    if r.disk_gb and v.disk_free_gb is not None and v.disk_free_gb < r.disk_gb:
+        if not _holds_weights(v, r.source):
+            out.append(f"{nid} has {_n(v.disk_free_gb)} GB free for weights, needs {_n(r.disk_gb)}")
+    for k, want in r.node_selector.items():
+        have = v.labels.get(k)
+        if have != want:
+            it_has = f" (it has {k}={have})" if have is not None else ""
+            out.append(f"{nid} lacks label {k}={want}{it_has}")
+    return out
+
+
+# --------------------------------------------------------------- preferences
+
+
+def _rank(v: NodeView, r: PlacementRequest) -> tuple:
+    """Lower is better: weights already here, then packed (GPU) or spread (CPU), then id."""
+    holds = 0 if _holds_weights(v, r.source) else 1
+    if r.gpu_class:
+        # Packing: the node left with the fewest free GPUs keeps whole nodes
+        # free for the replicas that need them.
+        return (holds, v.free_gpus - r.tp, v.sort_key)
+    # CPU replicas spread: nothing stops two sharing a machine's cores.
+    free = v.memory_free_gb
+    return (holds, -(free if free is not None else -1.0), v.sort_key)
+
+
+def _choose_gpus(v: NodeView, r: PlacementRequest, adapters: Sequence[str] = ()) -> tuple[int, ...]:
+    """The best ``tp`` free GPUs of the class on one node.
+
+    Scored by NVLink: a fully connected set first, then the most pairs; then,
+    for a multi-node shard, how near each card is to one of the fabric's
+    adapters; then NUMA nodes spanned; the lowest indexes break ties (and are
+    all a node without topology gets).
+    """
+    if not r.gpu_class:
+        return ()
+    free = v.free_by_class.get(r.gpu_class, ())
+    k = r.tp
+    if len(free) == k:
+        return free
+    by_index = {g.index: g for g in v.gpus}
+
+    def score(subset: tuple[int, ...]) -> tuple:
+        pairs = sum(1 for a, b in itertools.combinations(subset, 2) if b in by_index[a].nvlink_peers)
+        full = pairs == k * (k - 1) // 2
+        if adapters:
+            near = sum(
+                min((_PATH_RANK.get(by_index[i].nic_paths.get(a, ""), _UNKNOWN_PATH) for a in adapters))
+                for i in subset
+            )
+        else:
+            near = 0
+        numa = len({by_index[i].numa_node for i in subset})
+        return (0 if full and k > 1 else 1, -pairs, near, numa, subset)
+
+    n_subsets = 1
+    for i in range(k):
+        n_subsets = n_subsets * (len(free) - i) // (i + 1)
+    if n_subsets <= _MAX_SUBSETS:
+        return min(itertools.combinations(free, k), key=score)
+    # Greedy: grow from each starting card by the best next card.
+    best = None
+    for start in free:
+        chosen = [start]
+        while len(chosen) < k:
+            rest = [i for i in free if i not in chosen]
+            chosen.append(min(rest, key=lambda i: score(tuple(sorted(chosen + [i])))))
+        cand = tuple(sorted(chosen))
+        if best is None or score(cand) < score(best):
+            best = cand
+    return best  # type: ignore[return-value]
+
+
+def _gpu_words(v: NodeView, gpus: tuple[int, ...]) -> str:
+    if not gpus:
+        return "CPU"
+    by_index = {g.index: g for g in v.gpus}
+    words = f"GPUs {','.join(map(str, gpus))}"
+    if len(gpus) > 1 and all(b in by_index[a].nvlink_peers for a, b in itertools.combinations(gpus, 2)):
+        words += " (NVLink-connected)"
+    return words
+
+
+# ------------------------------------------------------------------- placing
+
+
+def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | Refusal:
+    """Choose nodes and GPUs for one replica, or say why every node was refused."""
+    r = request
+    fit = [v for v in nodes if _fits(v, r)]
+    if r.nodes == 1:
+        if not fit:
+            return _refuse(r, nodes)
+        best = min(fit, key=lambda v: _rank(v, r))
+        gpus = _choose_gpus(best, r)
+        return Placement(nodes=[(best.node_id, gpus)], explanation=_why_single(best, gpus, r))
+    group = _best_group(r, fit)
+    if group is None:
+        return _refuse(r, nodes)
+    name, members = group
+    adapters_of = _adapters_for(name)
+    chosen = [(v.node_id, _choose_gpus(v, r, adapters_of(v))) for v in members]
+    words = "; ".join(f"{nid}: {_gpu_words(v, g)}" for (nid, g), v in zip(chosen, members))
+    return Placement(nodes=chosen, explanation=f"{r.model} on {len(chosen)} nodes in {name}: {words}")
+
+
+def _why_single(v: NodeView, gpus: tuple[int, ...], r: PlacementRequest) -> str:
+    parts = [f"{r.model} on {v.node_id}: {_gpu_words(v, gpus)}"]
+    if _holds_weights(v, r.source):
+        parts.append("it already holds the weights")
+    if r.gpu_class:
+        parts.append(f"packed: {v.free_gpus - r.tp} free GPUs left there")
+    elif v.memory_free_gb is not None:
+        parts.append(f"spread: the most free memory ({_n(v.memory_free_gb)} GB)")
+    return "; ".join(parts)
+
+
+def _groups(fit: Sequence[NodeView]) -> dict[str, list[NodeView]]:
+    """Where a multi-node replica may form: one NVLink domain, or one declared fabric."""
+    groups: dict[str, list[NodeView]] = {}
+    for v in fit:
+        if v.nvlink_domain:
+            groups.setdefault(f"nvlink domain {v.nvlink_domain}", []).append(v)
+        for f in v.fabrics:
+            groups.setdefault(f"fabric {f}", []).append(v)
+    return groups
+
+
+def _best_group(r: PlacementRequest, fit: Sequence[NodeView]) -> tuple[str, list[NodeView]] | None:
+    best = None
+    for name, members in _groups(fit).items():
+        if len(members) < r.nodes:
+            continue
+        chosen = sorted(members, key=lambda v: _rank(v, r))[: r.nodes]
+        # NVLink domains first (InfiniBand is the fallback); then the set
+        # holding the most weights and packing tightest; then the name.
+        key = (
+            0 if name.startswith("nvlink") else 1,
+            [_rank(v, r)[:2] for v in chosen],
+            name,
+        )
+        if best is None or key < best[0]:
+            best = (key, name, chosen)
+    return None if best is None else (best[1], best[2])
+
+
+def _adapters_for(group: str):
+    fabric = group[len("fabric ") :] if group.startswith("fabric ") else None
+    return lambda v: v.fabrics.get(fabric, ()) if fabric else ()
+
+
+def _refuse(r: PlacementRequest, nodes: Sequence[NodeView]) -> Refusal:
+    return Refusal(model=r.model, verdicts=[v for v in explain(r, nodes) if not v.chosen])
+
+
+def _multi_node_words(v: NodeView, r: PlacementRequest, groups: dict[str, list[NodeView]]) -> str:
+    mine = [name for name, members in groups.items() if any(m is v for m in members)]
+    if not v.fabrics and not v.nvlink_domain:
+        return f"{v.node_id} is on no fabric, so it cannot join a {r.nodes}-node replica"
+    counts = ", ".join(f"{name} has {len(groups[name])}" for name in sorted(mine))
+    return f"{v.node_id} fits, but no fabric it is on has {r.nodes} nodes that fit ({counts})"
+
+
+def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeVerdict]:
+    """Every node, in node order, with whether it was chosen and why (for
+    ``llmgw ctl explain-placement``)."""
+    r = request
+    fit = [v for v in nodes if _fits(v, r)]
+    chosen: dict[str, tuple[int, ...]] = {}
+    lead: NodeView | None = None
+    group_name = None
+    groups: dict[str, list[NodeView]] = {}
+    if r.nodes == 1 and fit:
+        lead = min(fit, key=lambda v: _rank(v, r))
+        chosen[lead.node_id] = _choose_gpus(lead, r)
+    elif r.nodes > 1:
+        groups = _groups(fit)
+        g = _best_group(r, fit)
+        if g:
+            group_name, members = g
+            adapters_of = _adapters_for(group_name)
+            for v in members:
+                chosen[v.node_id] = _choose_gpus(v, r, adapters_of(v))
+            lead = members[0]
+
+    out = []
+    for v in sorted(nodes, key=lambda v: v.sort_key):
+        if v.node_id in chosen:
+            words = _why_single(v, chosen[v.node_id], r)
+            if group_name:
+                words += f"; in {group_name}"
+            out.append(NodeVerdict(v.node_id, True, [words]))
+            continue
+        reasons = _refusals(v, r)
+        if not reasons:
+            if lead is None or (r.nodes > 1 and not v.fabrics and not v.nvlink_domain):
+                reasons = [_multi_node_words(v, r, groups)]
+            else:
+                reasons = [_preferred_words(v, lead, r, group_name)]
+        out.append(NodeVerdict(v.node_id, False, reasons))
+    return out
+
+
+def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: str | None) -> str:
+    """Why a node that fits lost to the chosen one."""
+    if group and not any(group == f"fabric {f}" for f in v.fabrics) and not (
+        group.startswith("nvlink") and v.nvlink_domain and group.endswith(v.nvlink_domain)
+    ):
+        return f"{v.node_id} fits, but the replica was placed in {group}"
+    if r.nodes > 1:
+        return f"{v.node_id} fits, but enough nodes ranked ahead of it in {group}"
+    if _holds_weights(lead, r.source) and not _holds_weights(v, r.source):
+        return f"{v.node_id} fits, but {lead.node_id} already holds the weights"
+    if r.gpu_class:
+        mine, theirs = v.free_gpus - r.tp, lead.free_gpus - r.tp
+        if mine != theirs:
+            return (
+                f"{v.node_id} fits, but {lead.node_id} packs tighter "
+                f"({theirs} free GPUs left there, {mine} here)"
+            )
+    else:
+        mine_m, theirs_m = v.memory_free_gb, lead.memory_free_gb
+        if mine_m != theirs_m:
+            here = f"{_n(mine_m)} GB" if mine_m is not None else "unknown"
+            return (
+                f"{v.node_id} fits, but {lead.node_id} has more free memory "
+                f"({_n(theirs_m or 0)} GB there, {here} here)"
+            )
+    return f"{v.node_id} fits, but {lead.node_id} comes first by name"
+
+
+def place_all(
+    requests: Iterable[PlacementRequest], nodes: Sequence[NodeView]
+) -> tuple[list[Placement | Refusal], list[NodeView]]:
+    """Place requests in order, each seeing the GPUs and memory the earlier
+    ones claimed; returns the results and the views after all claims."""
+    views = list(nodes)
+    pos = {v.node_id: i for i, v in enumerate(views)}
+    results: list[Placement | Refusal] = []
+    for r in requests:
+        res = place(r, views)
+        results.append(res)
+        if isinstance(res, Placement):
+            for nid, gpus in res.nodes:
+                i = pos[nid]
+                views[i] = views[i].with_claim(gpus, r.min_memory_gb or 0.0)
+    return results, views
