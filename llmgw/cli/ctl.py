@@ -66,3 +66,69 @@ def cert_issue_client(
     typer.echo(f"wrote {written.cert} (client certificate for {node})")
     typer.echo(f"wrote {written.key} (mode 0600)")
     typer.echo(f"install them on {node} as the agent's tls.cert and tls.key, beside the authority's ca.pem")
+
+
+_ADMIN_HELP = "The control plane's admin address (admin_listen)."
+
+
+def _admin_get(admin: str, path: str) -> dict:
+    import httpx
+
+    url = admin.rstrip("/") + path
+    try:
+        r = httpx.get(url, timeout=10)
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach the control plane's admin API at {admin}: {exc}; is llmgw server running, "
+             "and is --admin its admin_listen?")
+    if r.status_code != 200:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        fail(f"{url} answered {r.status_code}: {message}")
+    return r.json()
+
+
+def _ago(ts: float | None) -> str:
+    import time
+
+    if not ts:
+        return "-"
+    s = max(0, time.time() - ts)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
+
+
+@app.command("nodes")
+def nodes(
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    state: Optional[str] = typer.Option(None, "--state", help="Only nodes in this state: ready, unreachable or lost."),
+    as_json: bool = typer.Option(False, "--json", help="Print the nodes as JSON."),
+) -> None:
+    """List the nodes that joined the control plane: state, memory, GPUs, engines, shards, last seen."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    data = [n for n in _admin_get(admin, "/api/v1/nodes")["nodes"] if state is None or n["state"] == state]
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    if not data:
+        typer.echo("no nodes" + (f" in state {state}" if state else " have joined; start llmgw agent on a node"))
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("NODE", "STATE", "MEMORY", "GPUS", "ENGINES", "SHARDS", "LAST SEEN"):
+        table.add_column(col, no_wrap=True)
+    for n in data:
+        mem = n.get("memory") or {}
+        total, avail = mem.get("total_bytes"), mem.get("available_bytes")
+        memory = f"{avail / 2**30:.0f}/{total / 2**30:.0f} GiB free" if total and avail is not None else "-"
+        engines = ", ".join(f"{k} {v}" for k, v in (n.get("engines") or {}).items())
+        installing = [f"{k}: {v.get('state')}" for k, v in (n.get("provision") or {}).items()
+                      if v.get("state") != "ready"]
+        shards = ", ".join(f"{k} {v.get('state')}" for k, v in (n.get("shards") or {}).items())
+        table.add_row(n["node_id"], n["state"] + ("" if n["connected"] else " (disconnected)"), memory,
+                      str(n.get("gpus") or 0), "; ".join(filter(None, [engines, *installing])) or "-",
+                      shards or "-", _ago(n.get("last_seen")))
+    Console(highlight=False, width=200).print(table)

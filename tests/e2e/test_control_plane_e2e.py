@@ -53,6 +53,8 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
             assert time.monotonic() < deadline, f"node-a did not register:\n{good.text()[-3000:]}\n{gw.text()[-3000:]}"
             time.sleep(0.2)
         assert nodes["node-a"]["state"] == "ready" and nodes["node-a"]["connected"]
+        listing = subprocess.run(llmgw_cmd("ctl", "nodes", "--admin", gw.admin), capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0 and "node-a" in listing.stdout and "ready" in listing.stdout, listing.stderr
         deadline = time.monotonic() + 15
         while "the certificate is for node-b but the agent claims to be node-c" not in impostor.text():
             assert time.monotonic() < deadline, f"no refusal logged:\n{impostor.text()[-3000:]}"
