@@ -6,6 +6,8 @@ with its full path instead of silently doing nothing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from typing import Any, Literal
@@ -69,8 +71,174 @@ class EndpointConfig(_Block):
         return v.rstrip("/")
 
 
+ProfileEngine = Literal["llamacpp", "vllm", "sglang"]
+
+_GPU_CLASS_RE = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,252}")
+# A bare model id as vLLM and SGLang resolve it: "Qwen/Qwen2.5-7B-Instruct" or "gpt2".
+_MODEL_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?")
+DEFAULT_IDLE_TIMEOUT = 15 * 60.0
+
+
+def source_kind(source: str) -> Literal["path", "url", "set", "hf", "model_id"]:
+    """What a model source is. Only a trailing slash on a URL makes a set of files."""
+    if source.startswith(("/", "./", "../", "~")):
+        return "path"
+    if source.startswith("hf:"):
+        return "hf"
+    if "://" in source:
+        return "set" if urlsplit(source).path.endswith("/") else "url"
+    return "model_id"
+
+
+def _check_source(v: str) -> str:
+    if not v or v != v.strip() or any(ord(c) < 32 for c in v):
+        raise ValueError(f"{v!r} is empty or has surrounding spaces or control characters")
+    kind = source_kind(v)
+    if kind == "hf":
+        segments = v[3:].split("/")
+        if len(segments) < 3 or any(seg in ("", ".", "..") for seg in segments) or "\\" in v:
+            raise ValueError(f'"{v}" is not hf:ORG/REPO/FILE (a set of files comes from the mirror, as a URL ending in /)')
+    elif kind in ("url", "set"):
+        parts = urlsplit(v)
+        if parts.scheme.lower() not in ("http", "https"):
+            raise ValueError(f'"{v}" uses {parts.scheme}://, which a node cannot fetch; use http(s)://, hf:ORG/REPO/FILE, a path or a model id')
+        if not parts.hostname:
+            raise ValueError(f'"{v}" has no host; write it as http://HOST[:PORT]/PATH')
+        try:
+            parts.port
+        except ValueError as exc:
+            raise ValueError(f'"{v}" has an invalid port') from exc
+        if parts.path in ("", "/"):
+            raise ValueError(f'"{v}" names no file or version; add its path')
+    elif kind == "model_id" and not _MODEL_ID_RE.fullmatch(v):
+        raise ValueError(
+            f'"{v}" is not a URL, hf:ORG/REPO/FILE, a path (start it with /, ./ or ../) or a model id such as Qwen/Qwen2.5-7B-Instruct'
+        )
+    return v
+
+
+class ScalingConfig(_Block):
+    """How many replicas run."""
+
+    min: int = Field(default=1, ge=0, description="Replicas always running; 0 loads one on the first request (on demand).")
+    max: int = Field(
+        default=None, ge=0, validate_default=False,
+        description="Most replicas; 0 stops the model. Left out: the same as min, or 1 when min is 0.",
+    )  # type: ignore[assignment]
+    idle_timeout: Duration = Field(
+        default=DEFAULT_IDLE_TIMEOUT, description="An on-demand model (min 0) is stopped after this long without requests."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_max(cls, data: Any) -> Any:
+        # Filled before validation so the field is always an int: "min: 0" alone reads as
+        # on demand, not stopped; stopping takes an explicit "max: 0".
+        if isinstance(data, dict) and data.get("max") is None:
+            m = data.get("min", 1)
+            if isinstance(m, int) and not isinstance(m, bool):
+                data = {**data, "max": max(m, 1)}
+        return data
+
+    @model_validator(mode="after")
+    def _order(self) -> "ScalingConfig":
+        if self.max == 0 and self.min > 0:
+            raise ValueError(f"max is 0 (stopped) but min is {self.min}; set min to 0 as well to stop the model")
+        if 0 < self.max < self.min:
+            raise ValueError(f"max ({self.max}) is smaller than min ({self.min})")
+        if self.idle_timeout <= 0:
+            raise ValueError("idle_timeout must be longer than 0s")
+        return self
+
+    @property
+    def state(self) -> Literal["stopped", "on demand", "fixed"]:
+        if self.max == 0:
+            return "stopped"
+        return "on demand" if self.min == 0 else "fixed"
+
+
+class ProfileConfig(_Block):
+    """One way to run a model: an engine on a class of GPU (or on CPU) with its arguments."""
+
+    name: str = Field(default="", description="Unique within the model; defaults to ENGINE-GPU_CLASS (or ENGINE-cpu).")
+    engine: ProfileEngine = Field(description="llamacpp, vllm or sglang.")
+    gpu_class: str | None = Field(
+        default=None, description="GPU class such as h100-80g (name and GiB the driver reports); absent means CPU, llamacpp only."
+    )
+    tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel size: GPUs per replica across its nodes.")
+    nodes: int = Field(default=1, ge=1, le=64, description="Nodes one replica spans (vLLM/SGLang only).")
+    min_memory_gb: float | None = Field(default=None, gt=0, description="Host memory a replica needs on each node.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Labels a node must carry.")
+    weight: float = Field(default=1.0, gt=0, description="Share of traffic relative to the model's other profiles.")
+    args: list[str] = Field(default_factory=list, description="Extra engine arguments, e.g. [--no-jinja].")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine, e.g. NCCL variables.")
+
+    @field_validator("gpu_class")
+    @classmethod
+    def _gpu_class(cls, v: str | None) -> str | None:
+        if v is not None and not _GPU_CLASS_RE.fullmatch(v):
+            raise ValueError(f'"{v}" is not a GPU class such as h100-80g (lowercase letters, digits, . and -)')
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not _LABEL_RE.fullmatch(key):
+                raise ValueError(f'"{key}" is not a label name (letters, digits, . _ / -)')
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not _ENV_NAME_RE.fullmatch(key):
+                raise ValueError(f'"{key}" is not an environment variable name')
+            if "\x00" in value:
+                raise ValueError(f"{key} holds a NUL character, which no environment can carry")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            if "\x00" in arg:
+                raise ValueError(f"{arg!r} holds a NUL character, which no command line can carry")
+        return v
+
+    @model_validator(mode="after")
+    def _rules(self) -> "ProfileConfig":
+        if self.gpu_class is None and self.engine != "llamacpp":
+            raise ValueError(
+                f"gpu_class is missing: {self.engine} needs a GPU; only llamacpp runs on CPU (gpu_class left out)"
+            )
+        if self.engine == "llamacpp" and (self.tp > 1 or self.nodes > 1):
+            raise ValueError("llamacpp runs a replica on one node without tensor parallelism; set tp and nodes to 1 or use vllm/sglang")
+        if self.tp % self.nodes:
+            raise ValueError(f"tp ({self.tp}) must divide evenly across nodes ({self.nodes})")
+        if not self.name:
+            # Frozen model: the derived default is set once, here.
+            object.__setattr__(self, "name", f"{self.engine}-{self.gpu_class or 'cpu'}")
+        else:
+            _check_model_name(self.name, "profile name")
+        return self
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the profile's canonical JSON. Fields left at their defaults are
+        omitted, so writing `tp: 1` or not, or a new optional field in a later llmgw,
+        does not mark every running replica stale."""
+        data = self.model_dump(mode="json", exclude_defaults=True)
+        data["name"] = self.name
+        canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
 class ModelConfig(_Block):
-    """A model clients can ask for, and where it is served."""
+    """A model clients can ask for: either run by the control plane (profiles) or
+    already running somewhere (endpoints)."""
 
     name: str = Field(description="The catalog name clients send as `model`.")
     aliases: list[str] = Field(default_factory=list, description="Other names a client may send.")
@@ -80,6 +248,18 @@ class ModelConfig(_Block):
     )
     endpoints: list[EndpointConfig] = Field(
         default_factory=list, description="Engines already running that serve this model."
+    )
+    source: str | None = Field(
+        default=None,
+        description="What nodes load (models with profiles): an http(s) URL, a URL ending in / "
+        "(a mirror version: a set of files), hf:ORG/REPO/FILE, a path starting with / ./ or ../ "
+        "(never fetched), or a model id such as Qwen/Qwen2.5-7B-Instruct passed to vLLM/SGLang.",
+    )
+    scaling: ScalingConfig | None = Field(
+        default=None, description="Replica counts (models with profiles); left out: one replica always running."
+    )
+    profiles: list[ProfileConfig] = Field(
+        default_factory=list, description="How the control plane may run this model; with profiles, llmgw starts the engines."
     )
 
     @field_validator("name")
@@ -93,6 +273,46 @@ class ModelConfig(_Block):
         for alias in v:
             _check_model_name(alias, "alias")
         return v
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None) -> str | None:
+        return None if v is None else _check_source(v)
+
+    @model_validator(mode="after")
+    def _kind(self) -> "ModelConfig":
+        if self.profiles and self.endpoints:
+            raise ValueError(
+                f"{self.name}: give either profiles (llmgw runs the engines) or endpoints (engines already running), not both"
+            )
+        if not self.profiles:
+            if not self.endpoints:
+                raise ValueError(
+                    f"{self.name}: nothing serves it; add profiles (llmgw runs the engines) or endpoints (engines already running)"
+                )
+            for key in ("source", "scaling"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{self.name}: {key} applies only to a model with profiles; this one has only endpoints")
+            return self
+        if self.source is None:
+            raise ValueError(f"{self.name}: source is required with profiles; it says what the nodes load")
+        seen: set[str] = set()
+        for i, p in enumerate(self.profiles):
+            if p.name in seen:
+                raise ValueError(f'profiles[{i}].name: "{p.name}" is used by another profile of {self.name}; give each a name')
+            seen.add(p.name)
+            if p.engine == "llamacpp" and source_kind(self.source) == "model_id":
+                raise ValueError(
+                    f'profiles[{i}]: llamacpp cannot load the model id "{self.source}"; give a URL, hf:ORG/REPO/FILE or a path to a .gguf'
+                )
+        if self.scaling is None:
+            object.__setattr__(self, "scaling", ScalingConfig())
+        return self
+
+    @property
+    def managed(self) -> bool:
+        """Run by the control plane (it has profiles), as opposed to a static model."""
+        return bool(self.profiles)
 
 
 class AuthConfig(_Block):

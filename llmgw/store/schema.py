@@ -77,3 +77,13 @@ store_state = Table(
     Column("name", String(64), primary_key=True),
     Column("value", BigInteger, nullable=False),
 )
+
+# Models added at run time (`ctl model add`); the spec is the model's validated JSON,
+# re-validated on every load so a newer llmgw applies its own rules to it.
+catalog_models = Table(
+    "catalog_models", metadata,
+    Column("name", String(200), primary_key=True),
+    Column("spec", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)

@@ -1,14 +1,16 @@
-"""The store's async API: API keys, usage rows and the keys generation counter."""
+"""The store's async API: API keys, usage rows, the keys generation counter and the
+models added to the catalog at run time."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
-from sqlalchemy import bindparam, event, func, or_, select, update
+from sqlalchemy import bindparam, delete, event, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -17,7 +19,7 @@ from .address import NUMERIC_PARAMS, resolve_store_address
 from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
 from .migrate import WRITE, upgrade_to_head
 from .records import KeyRecord, UsageRow, utcnow
-from .schema import KEYS_GENERATION, UTCDateTime, api_keys, store_state, usage
+from .schema import KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, store_state, usage
 
 SECRET_PREFIX = "llmgw-"
 PREFIX_LEN = 14           # the visible part of a secret: "llmgw-" and 8 random characters
@@ -40,6 +42,16 @@ _TOUCH_KEY = (update(api_keys)
                      or_(api_keys.c.last_used_at.is_(None),
                          api_keys.c.last_used_at < bindparam("k_at", type_=UTCDateTime())))
               .values(last_used_at=bindparam("k_at", type_=UTCDateTime())))
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogRow:
+    """A model added at run time, as stored: its spec is JSON text the catalog validates."""
+
+    name: str
+    spec: str
+    created_at: datetime
+    updated_at: datetime
 
 
 def hash_secret(secret: str) -> str:
@@ -303,3 +315,35 @@ class Store:
     async def count_usage(self) -> int:
         async with self._engine.connect() as conn:
             return int(await conn.scalar(select(func.count()).select_from(usage)))
+
+    # -- catalog -------------------------------------------------------------
+
+    async def catalog_list(self) -> list[CatalogRow]:
+        """Models added at run time, by name."""
+        async with self._engine.connect() as conn:
+            return [CatalogRow(**r._mapping)
+                    for r in await conn.execute(select(catalog_models).order_by(catalog_models.c.name))]
+
+    async def catalog_put(self, name: str, spec_json: str) -> CatalogRow:
+        """Insert or replace a model's spec; a replace keeps created_at. The caller
+        validates the spec: the store only keeps it."""
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise StoreError(f"A catalog model name must be 1 to 200 characters, not {name!r}.")
+        if not isinstance(spec_json, str) or not spec_json:
+            raise StoreError(f"The catalog spec of {name} must be JSON text.")
+        now = utcnow()
+        async with self._writer.begin() as conn:
+            # One statement on both backends, so two control planes racing cannot both insert.
+            ins = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(catalog_models)
+            await conn.execute(ins.values(name=name, spec=spec_json, created_at=now, updated_at=now)
+                               .on_conflict_do_update(index_elements=[catalog_models.c.name],
+                                                      set_={"spec": spec_json, "updated_at": now}))
+            row = (await conn.execute(select(catalog_models)
+                                      .where(catalog_models.c.name == name))).one()
+        return CatalogRow(**row._mapping)
+
+    async def catalog_delete(self, name: str) -> bool:
+        """Forget a model added at run time; False when there was none by that name."""
+        async with self._writer.begin() as conn:
+            done = await conn.execute(delete(catalog_models).where(catalog_models.c.name == name))
+        return done.rowcount == 1

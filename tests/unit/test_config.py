@@ -56,7 +56,8 @@ def test_unknown_engine_refused():
 
 
 def test_duplicate_names_and_aliases_refused():
-    msg = _err({"models": [{"name": "a"}, {"name": "b", "aliases": ["a"]}]})
+    ep = [{"url": "http://x:1", "engine": "vllm"}]
+    msg = _err({"models": [{"name": "a", "endpoints": ep}, {"name": "b", "aliases": ["a"], "endpoints": ep}]})
     assert 'models[1].aliases[0]: "a" is already used by models[0].name' in msg
 
 
