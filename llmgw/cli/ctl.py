@@ -72,15 +72,20 @@ _ADMIN_HELP = "The control plane's admin address (admin_listen)."
 
 
 def _admin_get(admin: str, path: str) -> dict:
+    return _admin("GET", admin, path)
+
+
+def _admin(method: str, admin: str, path: str, body: dict | None = None) -> dict:
     import httpx
 
     url = admin.rstrip("/") + path
     try:
-        r = httpx.get(url, timeout=10)
+        # A source check may fetch a manifest from far away: give it time.
+        r = httpx.request(method, url, json=body, timeout=60)
     except httpx.HTTPError as exc:
         fail(f"cannot reach the control plane's admin API at {admin}: {exc}; is llmgw server running, "
              "and is --admin its admin_listen?")
-    if r.status_code != 200:
+    if r.status_code not in (200, 201):
         try:
             message = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -131,4 +136,85 @@ def nodes(
         table.add_row(n["node_id"], n["state"] + ("" if n["connected"] else " (disconnected)"), memory,
                       str(n.get("gpus") or 0), "; ".join(filter(None, [engines, *installing])) or "-",
                       shards or "-", _ago(n.get("last_seen")))
+    Console(highlight=False, width=200).print(table)
+
+
+model_app = typer.Typer(help="Models the control plane runs (added at run time; server.yaml's are changed there).",
+                        no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+def _scaling_words(m: dict) -> str:
+    sc = m.get("scaling") or {}
+    return f"{sc.get('state', '?')} (min {sc.get('min')}, max {sc.get('max')})"
+
+
+@model_app.command("add")
+def model_add(
+    file: Path = typer.Option(..., "-f", "--file", help="A YAML file holding one model (name, source, scaling, profiles)."),
+    no_source_check: bool = typer.Option(False, "--no-source-check", help="Do not check that the source can be read."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+) -> None:
+    """Add a model to the catalog; its source is checked first."""
+    from llmgw.config import ConfigError
+    from llmgw.server.control.catalog import load_model_file
+
+    try:
+        model = load_model_file(file)
+    except ConfigError as exc:
+        fail(str(exc))
+    m = _admin("POST", admin, "/api/v1/models", {"model": model, "source_check": not no_source_check})["model"]
+    typer.echo(f"added {m['name']}: {_scaling_words(m)}")
+
+
+@model_app.command("remove")
+def model_remove(
+    name: str = typer.Argument(..., help="The model's name."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+) -> None:
+    """Remove a model added at run time (one declared in server.yaml is removed there)."""
+    _admin("DELETE", admin, f"/api/v1/models/{name}")
+    typer.echo(f"removed {name}")
+
+
+@app.command("scale")
+def scale(
+    name: str = typer.Argument(..., help="The model's name."),
+    min_: int = typer.Option(..., "--min", help="Replicas always running; 0 starts it on demand."),
+    max_: Optional[int] = typer.Option(None, "--max", help="Most replicas; 0 stops the model."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+) -> None:
+    """Set how many replicas of a model run."""
+    body = {"min": min_} if max_ is None else {"min": min_, "max": max_}
+    m = _admin("PUT", admin, f"/api/v1/models/{name}/scale", body)["model"]
+    typer.echo(f"{m['name']}: {_scaling_words(m)}")
+
+
+@app.command("models")
+def models(
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the catalog as JSON."),
+) -> None:
+    """List the catalog: every model, whether server.yaml declares it, its scaling and profiles."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    data = _admin_get(admin, "/api/v1/models")
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    for problem in data.get("problems") or ():
+        typer.echo(f"warning: {problem}", err=True)
+    if not data["models"]:
+        typer.echo("the catalog is empty; add a model with llmgw ctl model add -f model.yaml")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("MODEL", "FROM", "SCALING", "PROFILES", "SOURCE"):
+        table.add_column(col, no_wrap=True)
+    for m in data["models"]:
+        profiles = ", ".join(p.get("name") or p.get("engine", "?") for p in m.get("profiles") or ()) or "static endpoints"
+        table.add_row(m["name"], "server.yaml" if m.get("declared") else "added", _scaling_words(m) if m.get("scaling") else "-",
+                      profiles, m.get("source") or "-")
     Console(highlight=False, width=200).print(table)

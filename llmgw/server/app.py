@@ -19,6 +19,7 @@ from llmgw.config.server import ServerConfig
 from llmgw.config.types import ListenAddress
 from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.server.control.agents import AgentService
+from llmgw.server.control.catalog import Catalog, CatalogError, check_source
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
@@ -51,6 +52,7 @@ class Server:
                                      config.timeouts.connect)
         self.gateway: Gateway | None = None
         self.agents: AgentService | None = None
+        self.catalog: Catalog | None = None
         self._runners: list[web.AppRunner] = []
         self.started_at = time.time()
 
@@ -62,6 +64,11 @@ class Server:
             raise StartError(f"auth.store: {exc}") from exc
         self.keys = KeyCache(self.store)
         await self.keys.load()
+        if cfg.control.enabled:
+            self.catalog = Catalog(cfg.models, self.store)
+            await self.catalog.load()
+            for problem in self.catalog.problems:
+                log.warning("catalog: %s", problem)
         self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit)
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
@@ -139,6 +146,10 @@ class Server:
         app.router.add_get("/api/v1/endpoints", self._api_endpoints)
         app.router.add_get("/api/v1/status", self._api_status)
         app.router.add_get("/api/v1/nodes", self._api_nodes)
+        app.router.add_get("/api/v1/models", self._api_models)
+        app.router.add_post("/api/v1/models", self._api_model_add)
+        app.router.add_delete("/api/v1/models/{name}", self._api_model_remove)
+        app.router.add_put("/api/v1/models/{name}/scale", self._api_model_scale)
         return app
 
     def _agent_tls(self) -> ssl.SSLContext | None:
@@ -197,7 +208,7 @@ class Server:
 
     async def _api_nodes(self, request: web.Request) -> web.Response:
         if self.agents is None:
-            return error_response(404, "this server is not a control plane (control.enabled is false)", "not_a_control_plane")
+            raise _NotControlPlane()
         out = []
         for n in self.agents.nodes():
             out.append({
@@ -211,6 +222,55 @@ class Server:
             })
         return web.json_response({"nodes": out}, dumps=_dumps)
 
+    def _need_catalog(self) -> Catalog:
+        if self.catalog is None:
+            raise _NotControlPlane()
+        return self.catalog
+
+    async def _api_models(self, request: web.Request) -> web.Response:
+        catalog = self._need_catalog()
+        return web.json_response({"models": [e.to_dict() for e in catalog.models()],
+                                  "problems": list(catalog.problems)}, dumps=_dumps)
+
+    async def _api_model_add(self, request: web.Request) -> web.Response:
+        catalog = self._need_catalog()
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            return error_response(400, f"the body is not valid JSON: {exc}", "invalid_json")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), dict):
+            return error_response(400, 'the body should be {"model": {...}, "source_check": true}', "invalid_request")
+        check = check_source if body.get("source_check", True) else None
+        try:
+            entry = await catalog.add(body["model"], source_check=check)
+        except CatalogError as exc:
+            return error_response(400, str(exc), "refused")
+        return web.json_response({"model": entry.to_dict()}, status=201, dumps=_dumps)
+
+    async def _api_model_remove(self, request: web.Request) -> web.Response:
+        catalog = self._need_catalog()
+        try:
+            await catalog.remove(request.match_info["name"])
+        except CatalogError as exc:
+            return error_response(400, str(exc), "refused")
+        return web.json_response({"removed": request.match_info["name"]}, dumps=_dumps)
+
+    async def _api_model_scale(self, request: web.Request) -> web.Response:
+        catalog = self._need_catalog()
+        try:
+            body = orjson.loads(await request.read())
+            lo, hi = body["min"], body.get("max")
+            if not isinstance(lo, int) or (hi is not None and not isinstance(hi, int)):
+                raise TypeError
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return error_response(400, 'the body should be {"min": N, "max": M} with whole numbers (max may be left out)',
+                                  "invalid_request")
+        try:
+            entry = await catalog.scale(request.match_info["name"], lo, hi)
+        except CatalogError as exc:
+            return error_response(400, str(exc), "refused")
+        return web.json_response({"model": entry.to_dict()}, dumps=_dumps)
+
     async def _api_status(self, request: web.Request) -> web.Response:
         usage = self.usage
         return web.json_response({
@@ -220,6 +280,10 @@ class Server:
             "auth_enabled": self.config.auth.enabled,
             "usage": {"pending": usage.pending, "written": usage.written, "dropped": usage.dropped} if usage else None,
         }, dumps=_dumps)
+
+
+class _NotControlPlane(Exception):
+    """An admin request that only a control plane can answer."""
 
 
 def _certificate_node(request: web.Request) -> str | None:
@@ -247,6 +311,9 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
     """aiohttp's own refusals (unknown path, wrong method) in the same JSON shape as ours."""
     try:
         return await handler(request)
+    except _NotControlPlane:
+        return error_response(404, "this server is not a control plane; set control.enabled: true in server.yaml",
+                              "not_a_control_plane")
     except web.HTTPMethodNotAllowed as exc:
         return error_response(405, f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
                               "method_not_allowed")

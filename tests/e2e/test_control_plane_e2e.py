@@ -72,3 +72,57 @@ def test_control_plane_refuses_to_start_without_its_certificates(tmp_path):
                  control={"enabled": True})
     assert gw.proc.wait(30) == 1
     assert "agent_tls:" in gw.text() and "llmgw ctl cert init-ca" in gw.text()
+
+
+def test_catalog_commands_against_a_running_control_plane(tmp_path, tiny_model):
+    declared = {"name": "declared-model", "source": str(tiny_model),
+                "profiles": [{"engine": "llamacpp"}]}
+    gw = Gateway(tmp_path, models=[declared], agent_listen=f"127.0.0.1:{free_port()}", agent_tls=None,
+                 control={"enabled": True}).wait_up(ready=False)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(llmgw_cmd("ctl", *args, "--admin", gw.admin), capture_output=True, text=True, timeout=60)
+
+    try:
+        model = tmp_path / "model.yaml"
+        model.write_text(yaml.safe_dump({"name": "tiny", "aliases": ["small"], "source": str(tiny_model),
+                                         "scaling": {"min": 0, "max": 1},
+                                         "profiles": [{"engine": "llamacpp", "min_memory_gb": 1}]}))
+        r = ctl("model", "add", "-f", str(model))
+        assert r.returncode == 0 and "added tiny: on demand" in r.stdout, r.stderr
+        r = ctl("models")
+        assert r.returncode == 0 and "tiny" in r.stdout and "declared-model" in r.stdout and "server.yaml" in r.stdout
+        r = ctl("scale", "tiny", "--min", "2", "--max", "3")
+        assert r.returncode == 0 and "min 2, max 3" in r.stdout, r.stderr
+        # Declared models are changed in the file, and the refusal says so.
+        r = ctl("scale", "declared-model", "--min", "0")
+        assert r.returncode == 1 and "declared in server.yaml" in r.stderr
+        # A source that does not exist is refused and nothing is added.
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump({"name": "ghost", "source": str(tmp_path / "missing.gguf"),
+                                       "profiles": [{"engine": "llamacpp"}]}))
+        r = ctl("model", "add", "-f", str(bad))
+        assert r.returncode == 1 and "missing.gguf" in r.stderr
+        # An alias already taken is refused.
+        dup = tmp_path / "dup.yaml"
+        dup.write_text(yaml.safe_dump({"name": "other", "aliases": ["small"], "source": str(tiny_model),
+                                       "profiles": [{"engine": "llamacpp"}]}))
+        r = ctl("model", "add", "-f", str(dup))
+        assert r.returncode == 1 and "small" in r.stderr
+        assert "ghost" not in ctl("models", "--json").stdout
+        # Run-time models survive a restart of the control plane.
+        assert gw.stop() == 0, gw.text()[-3000:]
+        gw2 = Gateway(tmp_path, models=[declared], store=gw.store, agent_listen=f"127.0.0.1:{free_port()}",
+                      agent_tls=None, control={"enabled": True}).wait_up(ready=False)
+        try:
+            r = subprocess.run(llmgw_cmd("ctl", "models", "--json", "--admin", gw2.admin), capture_output=True,
+                               text=True, timeout=60)
+            assert '"tiny"' in r.stdout and '"min": 2' in r.stdout
+            r = subprocess.run(llmgw_cmd("ctl", "model", "remove", "tiny", "--admin", gw2.admin),
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and "removed tiny" in r.stdout
+        finally:
+            assert gw2.stop() == 0, gw2.text()[-3000:]
+    finally:
+        if gw.alive():
+            gw.stop()
