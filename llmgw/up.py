@@ -8,7 +8,6 @@ it. Ctrl-C stops everything it started.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil

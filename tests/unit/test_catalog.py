@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import json
-import secrets
 import threading
 
-import asyncpg
 import pytest
 
 from llmgw.config.errors import ConfigError
@@ -17,31 +14,6 @@ from llmgw.server.control.catalog import (Catalog, CatalogError, check_source,
                                           load_model_file)
 from llmgw.store.store import Store
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
-
-
-async def _pg_exec(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(url, timeout=3)
-    try:
-        for s in statements:
-            await conn.execute(s)
-    finally:
-        await conn.close()
-
-
-@pytest.fixture(scope="module")
-def pg_database():
-    """A throwaway database for this module (as in test_store.py)."""
-    try:
-        asyncio.run(_pg_exec(PG_ADMIN, "SELECT 1"))
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError):
-        pytest.skip("no PostgreSQL answered on 127.0.0.1:5432")
-    name = f"llmgw_test_{secrets.token_hex(6)}"
-    asyncio.run(_pg_exec(PG_ADMIN, f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        asyncio.run(_pg_exec(PG_ADMIN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def _vllm(name="qwen", **kw):
@@ -53,15 +25,6 @@ def _vllm(name="qwen", **kw):
 
 def _static(name="ext"):
     return {"name": name, "endpoints": [{"url": "http://127.0.0.1:8000", "engine": "vllm"}]}
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def address(request, tmp_path):
-    if request.param == "sqlite":
-        return str(tmp_path / "store.db")
-    url = request.getfixturevalue("pg_database")
-    asyncio.run(_pg_exec(url, "DROP SCHEMA public CASCADE", "CREATE SCHEMA public"))
-    return url
 
 
 async def _catalog(address, declared=()):
@@ -160,7 +123,7 @@ async def test_declared_and_stored_and_their_refusals(address):
             await cat.scale("llama", -1)
         assert cat.get("llama").model.scaling.state == "stopped"
         assert cat.get("llama").fingerprints == e.fingerprints  # scaling is not the profile
-        e2 = await cat.add(_static("ext2"))
+        await cat.add(_static("ext2"))
         with pytest.raises(CatalogError, match="ext2 has no profiles"):
             await cat.scale("ext2", 2)
         assert (await cat.remove("ext2")).name == "ext2"

@@ -536,7 +536,7 @@ async def test_a_slow_cpu_is_named_in_the_ready_detail(tmp_path, release):
 
 
 async def test_a_gpu_node_installs_the_cuda_build_and_its_runtime(tmp_path, release):
-    stem = f"bin-ubuntu-cuda-12.8-x64"
+    stem = "bin-ubuntu-cuda-12.8-x64"
     release.publish(TAG, f"llama-{TAG}-{stem}.tar.gz",
                     tar_gz({f"llama-{TAG}/llama-server": FAKE_SERVER}))
     release.publish(TAG, f"cudart-llama-{TAG}-{stem}.tar.gz",

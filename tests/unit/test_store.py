@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import asyncpg
 import pytest
 from sqlalchemy import text, update
 
@@ -17,54 +15,8 @@ from llmgw.store import (AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, Store, St
                          UsageRow, hash_secret)
 from llmgw.store.schema import api_keys
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
-PG_SKIP = "no PostgreSQL answered on 127.0.0.1:5432"
 UTC = timezone.utc
 REPO = Path(__file__).resolve().parents[2]
-
-
-async def _pg_admin(*statements: str) -> None:
-    conn = await asyncpg.connect(PG_ADMIN, timeout=3)
-    try:
-        for s in statements:
-            await conn.execute(s)
-    finally:
-        await conn.close()
-
-
-async def _pg_exec(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(url, timeout=3)
-    try:
-        for s in statements:
-            await conn.execute(s)
-    finally:
-        await conn.close()
-
-
-@pytest.fixture(scope="module")
-def pg_database():
-    """A fresh database for this module, dropped afterwards; sync so it needs no loop."""
-    try:
-        asyncio.run(_pg_admin("SELECT 1"))
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError):
-        pytest.skip(PG_SKIP)
-    name = f"llmgw_test_{secrets.token_hex(6)}"
-    asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def address(request, tmp_path):
-    """An address of an empty database (never migrated) on each backend."""
-    if request.param == "sqlite":
-        return str(tmp_path / "store.db")
-    url = request.getfixturevalue("pg_database")
-    # Emptying the schema is a fresh database for the store, and far cheaper than one.
-    asyncio.run(_pg_exec(url, "DROP SCHEMA public CASCADE", "CREATE SCHEMA public"))
-    return url
 
 
 @pytest.fixture
