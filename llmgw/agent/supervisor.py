@@ -449,7 +449,7 @@ class _Proc:
                 self._pidfd = os.pidfd_open(self.pid)
                 loop.add_reader(self._pidfd, self._child_exited)
                 return
-            except (OSError, AttributeError, NotImplementedError):
+            except (OSError, AttributeError):  # an old kernel or Python without pidfd
                 self._pidfd = None
         self._poller = asyncio.create_task(self._poll(poll_interval))
 

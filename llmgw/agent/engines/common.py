@@ -255,3 +255,15 @@ def fp8_problems(launch: ShardLaunch, quantization: str | None) -> tuple[list[st
     warnings = [f"GPU {g.index} ({g.name}) did not report its compute capability, so {quantization} support "
                 "was not checked" for g in unknown]
     return problems, warnings
+
+
+def python_engine_problems(launch: ShardLaunch, engine_label: str, owned: dict[str, str],
+                           fields: Iterable[tuple[Sequence[str], object, str]],
+                           quant_flags: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The checks vLLM and SGLang share: GPUs, flags llmgw owns or that a profile field sets, fp8."""
+    extra = launch.profile.extra_args
+    out = gpu_engine_problems(launch, engine_label)
+    out += owned_flag_problems(extra, owned)
+    out += twice_problems(extra, fields)
+    fp8, warnings = fp8_problems(launch, quantization_of(launch, quant_flags))
+    return out + fp8, warnings

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from llmgw.agent.engines.base import EngineAdapter
 from llmgw.agent.engines.common import (
-    field_args, finish_env, fp8_problems, gpu_engine_problems, gpu_env, has_flag, hostport, nccl_env,
-    owned_flag_problems, quantization_of, twice_problems,
+    field_args, finish_env, gpu_env, has_flag, hostport, nccl_env, python_engine_problems,
 )
 from llmgw.agent.engines.plan import Command, MetricNames
 from llmgw.agent.engines.spec import EngineSettings, ShardLaunch
@@ -43,12 +42,7 @@ class SGLang(EngineAdapter):
     min_help_lines = 150
 
     def problems(self, launch: ShardLaunch, settings: EngineSettings) -> tuple[list[str], list[str]]:
-        p = launch.profile
-        out = gpu_engine_problems(launch, self.label)
-        out += owned_flag_problems(p.extra_args, _OWNED)
-        out += twice_problems(p.extra_args, _fields(launch))
-        fp8, warnings = fp8_problems(launch, quantization_of(launch, _QUANT))
-        return out + fp8, warnings
+        return python_engine_problems(launch, self.label, _OWNED, _fields(launch), _QUANT)
 
     def commands(self, launch: ShardLaunch, settings: EngineSettings) -> list[Command]:
         p, g = launch.profile, launch.group
