@@ -68,14 +68,14 @@ def cert_issue_client(
     typer.echo(f"install them on {node} as the agent's tls.cert and tls.key, beside the authority's ca.pem")
 
 
-_ADMIN_HELP = "The control plane's admin address (admin_listen)."
+ADMIN_HELP = "The control plane's admin address (admin_listen)."
 
 
 def _admin_get(admin: str, path: str) -> dict:
-    return _admin("GET", admin, path)
+    return admin_call("GET", admin, path)
 
 
-def _admin(method: str, admin: str, path: str, body: dict | None = None) -> dict:
+def admin_call(method: str, admin: str, path: str, body: dict | None = None) -> dict:
     import httpx
 
     url = admin.rstrip("/") + path
@@ -105,7 +105,7 @@ def _ago(ts: float | None) -> str:
 
 @app.command("nodes")
 def nodes(
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
     state: Optional[str] = typer.Option(None, "--state", help="Only nodes in this state: ready, unreachable or lost."),
     as_json: bool = typer.Option(False, "--json", help="Print the nodes as JSON."),
 ) -> None:
@@ -153,7 +153,7 @@ def _scaling_words(m: dict) -> str:
 def model_add(
     file: Path = typer.Option(..., "-f", "--file", help="A YAML file holding one model (name, source, scaling, profiles)."),
     no_source_check: bool = typer.Option(False, "--no-source-check", help="Do not check that the source can be read."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
 ) -> None:
     """Add a model to the catalog; its source is checked first."""
     from llmgw.config import ConfigError
@@ -163,17 +163,17 @@ def model_add(
         model = load_model_file(file)
     except ConfigError as exc:
         fail(str(exc))
-    m = _admin("POST", admin, "/api/v1/models", {"model": model, "source_check": not no_source_check})["model"]
+    m = admin_call("POST", admin, "/api/v1/models", {"model": model, "source_check": not no_source_check})["model"]
     typer.echo(f"added {m['name']}: {_scaling_words(m)}")
 
 
 @model_app.command("remove")
 def model_remove(
     name: str = typer.Argument(..., help="The model's name."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
 ) -> None:
     """Remove a model added at run time (one declared in server.yaml is removed there)."""
-    _admin("DELETE", admin, f"/api/v1/models/{name}")
+    admin_call("DELETE", admin, f"/api/v1/models/{name}")
     typer.echo(f"removed {name}")
 
 
@@ -182,17 +182,17 @@ def scale(
     name: str = typer.Argument(..., help="The model's name."),
     min_: int = typer.Option(..., "--min", help="Replicas always running; 0 starts it on demand."),
     max_: Optional[int] = typer.Option(None, "--max", help="Most replicas; 0 stops the model."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
 ) -> None:
     """Set how many replicas of a model run."""
     body = {"min": min_} if max_ is None else {"min": min_, "max": max_}
-    m = _admin("PUT", admin, f"/api/v1/models/{name}/scale", body)["model"]
+    m = admin_call("PUT", admin, f"/api/v1/models/{name}/scale", body)["model"]
     typer.echo(f"{m['name']}: {_scaling_words(m)}")
 
 
 @app.command("models")
 def models(
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=_ADMIN_HELP),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the catalog as JSON."),
 ) -> None:
     """List the catalog: every model, whether server.yaml declares it, its scaling and profiles."""
@@ -218,3 +218,21 @@ def models(
         table.add_row(m["name"], "server.yaml" if m.get("declared") else "added", _scaling_words(m) if m.get("scaling") else "-",
                       profiles, m.get("source") or "-")
     Console(highlight=False, width=200).print(table)
+
+
+@app.command("logs")
+def logs(
+    node: str = typer.Argument(..., help="The node's id."),
+    source: Optional[str] = typer.Option(None, "--source", help="A shard id; default the agent's own log."),
+    lines: int = typer.Option(200, "-n", "--lines", help="How many of the last lines."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+) -> None:
+    """Show a node's agent log, or a shard's engine output, fetched through the agent's stream."""
+    from urllib.parse import urlencode
+
+    query = urlencode({"lines": lines, **({"source": source} if source else {})})
+    data = _admin_get(admin, f"/api/v1/nodes/{node}/logs?{query}")
+    for line in data["lines"]:
+        typer.echo(line)
+    if data.get("sources"):
+        typer.echo(f"(logs on {node}: {', '.join(data['sources'])})", err=True)

@@ -18,7 +18,8 @@ from llmgw import __version__
 from llmgw.config.server import ServerConfig
 from llmgw.config.types import ListenAddress
 from llmgw.pki import PKIError, peer_node_id, server_context
-from llmgw.server.control.agents import AgentService
+from llmgw.protocol import LogsReply, LogsRequest
+from llmgw.server.control.agents import AgentService, AgentServiceError
 from llmgw.server.control.catalog import Catalog, CatalogError, check_source
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
@@ -146,6 +147,8 @@ class Server:
         app.router.add_get("/api/v1/endpoints", self._api_endpoints)
         app.router.add_get("/api/v1/status", self._api_status)
         app.router.add_get("/api/v1/nodes", self._api_nodes)
+        app.router.add_delete("/api/v1/nodes/{node}", self._api_node_remove)
+        app.router.add_get("/api/v1/nodes/{node}/logs", self._api_node_logs)
         app.router.add_get("/api/v1/models", self._api_models)
         app.router.add_post("/api/v1/models", self._api_model_add)
         app.router.add_delete("/api/v1/models/{name}", self._api_model_remove)
@@ -221,6 +224,37 @@ class Server:
                 "shards": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.shards.items()},
             })
         return web.json_response({"nodes": out}, dumps=_dumps)
+
+    async def _api_node_remove(self, request: web.Request) -> web.Response:
+        if self.agents is None:
+            raise _NotControlPlane()
+        try:
+            self.agents.remove(request.match_info["node"])
+        except AgentServiceError as exc:
+            return error_response(400, str(exc), "refused")
+        return web.json_response({"removed": request.match_info["node"]}, dumps=_dumps)
+
+    async def _api_node_logs(self, request: web.Request) -> web.Response:
+        """A node's own log or a shard's output, fetched through the agent's stream."""
+        if self.agents is None:
+            raise _NotControlPlane()
+        q = request.query
+        try:
+            lines = int(q.get("lines", "200"))
+            if not 0 < lines <= 100_000:
+                raise ValueError
+        except ValueError:
+            return error_response(400, "lines should be a whole number from 1 to 100000", "invalid_request")
+        try:
+            reply = await self.agents.request(request.match_info["node"],
+                                              LogsRequest(source=q.get("source") or None, lines=lines), timeout=15)
+        except AgentServiceError as exc:
+            return error_response(503, str(exc), "node_unavailable")
+        if isinstance(reply, LogsReply) and not reply.error:
+            return web.json_response({"source": reply.source, "lines": reply.lines or [], "sources": reply.sources},
+                                     dumps=_dumps)
+        error = reply.error if reply.error else "the agent answered without logs"
+        return error_response(404, error, "no_such_log")
 
     def _need_catalog(self) -> Catalog:
         if self.catalog is None:

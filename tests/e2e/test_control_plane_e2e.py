@@ -40,7 +40,7 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
     agent_port = free_port()
     gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{agent_port}",
                  agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
-                 control={"enabled": True}).wait_up(ready=False)
+                 control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"}).wait_up(ready=False)
     good = _agent(tmp_path, "node-a", "node-a", agent_port, pki)
     # node-c presents node-b's certificate: the control plane refuses it, naming both.
     impostor = _agent(tmp_path, "node-c", "node-b", agent_port, pki)
@@ -60,8 +60,31 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
             assert time.monotonic() < deadline, f"no refusal logged:\n{impostor.text()[-3000:]}"
             time.sleep(0.2)
         assert "node-c" not in nodes
-    finally:
+
+        def ctl(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(llmgw_cmd(*args, "--admin", gw.admin), capture_output=True, text=True, timeout=60)
+
+        # Logs come through the agent's own stream.
+        r = ctl("ctl", "logs", "node-a", "-n", "50")
+        assert r.returncode == 0 and "connected to the control plane" in r.stdout, r.stderr
+        r = ctl("ctl", "logs", "node-a", "--source", "no-such-shard")
+        assert r.returncode == 1 and "no log named no-such-shard" in r.stderr
+        # Only a lost node can be forgotten.
+        r = ctl("node", "remove", "node-a")
+        assert r.returncode == 1 and "ready" in r.stderr
         assert good.stop() == 0, good.text()[-3000:]
+        deadline = time.monotonic() + 15
+        while {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes").json()["nodes"]}["node-a"]["state"] != "lost":
+            assert time.monotonic() < deadline, "node-a did not become lost"
+            time.sleep(0.2)
+        r = ctl("ctl", "logs", "node-a")
+        assert r.returncode == 1 and "not connected" in r.stderr
+        r = ctl("node", "remove", "node-a")
+        assert r.returncode == 0 and "removed node-a" in r.stdout, r.stderr
+        assert all(n["node_id"] != "node-a" for n in httpx.get(gw.admin + "/api/v1/nodes").json()["nodes"])
+    finally:
+        if good.alive():
+            good.stop()
         assert impostor.stop() == 0, impostor.text()[-3000:]
         assert gw.stop() == 0, gw.text()[-3000:]
 
