@@ -236,3 +236,28 @@ def logs(
         typer.echo(line)
     if data.get("sources"):
         typer.echo(f"(logs on {node}: {', '.join(data['sources'])})", err=True)
+
+
+@app.command("explain-placement")
+def explain_placement(
+    name: str = typer.Argument(..., help="The model's name."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
+) -> None:
+    """Say, for every node and each of the model's profiles, whether a replica would be placed there and why."""
+    import json
+
+    data = _admin_get(admin, f"/api/v1/models/{name}/placement")
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    for p in data["profiles"]:
+        typer.echo(f"profile {p['profile']}:")
+        if p.get("error"):
+            typer.echo(f"  {p['error']}")
+            continue
+        if not p["nodes"]:
+            typer.echo("  no nodes have joined; start llmgw agent on a node")
+        for n in p["nodes"]:
+            mark = "chosen" if n["chosen"] else "not chosen"
+            typer.echo(f"  {n['node']}: {mark}" + ("" if not n["reasons"] else ": " + "; ".join(n["reasons"])))

@@ -21,6 +21,7 @@ from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.protocol import LogsReply, LogsRequest
 from llmgw.server.control.agents import AgentService, AgentServiceError
 from llmgw.server.control.catalog import Catalog, CatalogError, check_source
+from llmgw.server.control.placement import PlacementRequest, explain, node_view
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
@@ -153,6 +154,7 @@ class Server:
         app.router.add_post("/api/v1/models", self._api_model_add)
         app.router.add_delete("/api/v1/models/{name}", self._api_model_remove)
         app.router.add_put("/api/v1/models/{name}/scale", self._api_model_scale)
+        app.router.add_get("/api/v1/models/{name}/placement", self._api_model_placement)
         return app
 
     def _agent_tls(self) -> ssl.SSLContext | None:
@@ -304,6 +306,33 @@ class Server:
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
         return web.json_response({"model": entry.to_dict()}, dumps=_dumps)
+
+    async def _api_model_placement(self, request: web.Request) -> web.Response:
+        """Where each profile of a model would go, and why every node was or was not chosen."""
+        catalog = self._need_catalog()
+        assert self.agents is not None
+        entry = catalog.get(request.match_info["name"])
+        if entry is None:
+            return error_response(404, f"no model {request.match_info['name']} in the catalog; llmgw ctl models lists them",
+                                  "model_not_found")
+        if not entry.model.profiles:
+            return error_response(400, f"{entry.name} is served from static endpoints; nothing is placed",
+                                  "not_managed")
+        views = [node_view(n) for n in self.agents.nodes()]
+        out = []
+        for profile in entry.model.profiles:
+            try:
+                req = PlacementRequest(
+                    model=entry.name, engine=profile.engine, gpu_class=profile.gpu_class,
+                    tp=max(1, profile.tp // profile.nodes), nodes=profile.nodes, min_memory_gb=profile.min_memory_gb,
+                    node_selector=dict(profile.node_selector), source=entry.model.source)
+            except ValueError as exc:
+                out.append({"profile": profile.name, "error": str(exc), "nodes": []})
+                continue
+            verdicts = explain(req, views)
+            out.append({"profile": profile.name, "nodes": [
+                {"node": v.node_id, "chosen": v.chosen, "reasons": v.reasons} for v in verdicts]})
+        return web.json_response({"model": entry.name, "profiles": out}, dumps=_dumps)
 
     async def _api_status(self, request: web.Request) -> web.Response:
         usage = self.usage

@@ -38,7 +38,9 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
     _ctl("issue-client", "node-a", "--dir", str(pki))
     _ctl("issue-client", "node-b", "--dir", str(pki))
     agent_port = free_port()
-    gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{agent_port}",
+    huge = {"name": "huge", "source": str(pki / "ca.pem"), "scaling": {"min": 0, "max": 1},
+            "profiles": [{"engine": "llamacpp", "min_memory_gb": 100000}]}
+    gw = Gateway(tmp_path, models=[huge], agent_listen=f"127.0.0.1:{agent_port}",
                  agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
                  control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"}).wait_up(ready=False)
     good = _agent(tmp_path, "node-a", "node-a", agent_port, pki)
@@ -69,6 +71,9 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
         assert r.returncode == 0 and "connected to the control plane" in r.stdout, r.stderr
         r = ctl("ctl", "logs", "node-a", "--source", "no-such-shard")
         assert r.returncode == 1 and "no log named no-such-shard" in r.stderr
+        # Placement explains itself in words: this node is far too small for the model.
+        r = ctl("ctl", "explain-placement", "huge")
+        assert r.returncode == 0 and "node-a: not chosen" in r.stdout and "needs 100000" in r.stdout, r.stdout + r.stderr
         # Only a lost node can be forgotten.
         r = ctl("node", "remove", "node-a")
         assert r.returncode == 1 and "ready" in r.stderr

@@ -21,7 +21,7 @@ def test_version():
 def test_every_command_has_help():
     for args in [(), ("server",), ("keys",), ("keys", "create"), ("keys", "list"), ("keys", "revoke"), ("up",),
                  ("agent",), ("agent", "inventory"), ("agent", "engine-check"), ("ctl",), ("ctl", "cert"),
-                 ("ctl", "nodes"), ("ctl", "models"), ("ctl", "model", "add"), ("ctl", "scale"), ("ctl", "logs"),
+                 ("ctl", "nodes"), ("ctl", "models"), ("ctl", "model", "add"), ("ctl", "scale"), ("ctl", "logs"), ("ctl", "explain-placement"),
                  ("node", "remove")]:
         r = run(*args, "--help")
         assert r.exit_code == 0, args
