@@ -126,14 +126,18 @@ def _write_pair(cert_path: Path, key_path: Path, cert: x509.Certificate, key: ec
     return Issued(cert_path, key_path)
 
 
-def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
+def _read(path: str | os.PathLike[str], what: str) -> tuple[Path, bytes]:
     p = Path(path)
     try:
-        data = p.read_bytes()
+        return p, p.read_bytes()
     except FileNotFoundError:
-        raise PKIError(f"no certificate at {p}; check the path") from None
+        raise PKIError(f"no {what} at {p}; check the path") from None
     except OSError as exc:
-        raise PKIError(f"cannot read the certificate {p}: {exc.strerror}") from None
+        raise PKIError(f"cannot read the {what} {p}: {exc.strerror}") from None
+
+
+def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
+    p, data = _read(path, "certificate")
     try:
         return x509.load_pem_x509_certificate(data)
     except ValueError:
@@ -141,13 +145,7 @@ def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
 
 
 def load_key(path: str | os.PathLike[str]):
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except FileNotFoundError:
-        raise PKIError(f"no private key at {p}; check the path") from None
-    except OSError as exc:
-        raise PKIError(f"cannot read the private key {p}: {exc.strerror}") from None
+    p, data = _read(path, "private key")
     try:
         return serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError):
