@@ -180,11 +180,24 @@ class Agent:
             engine_versions=self._engine_versions(), labels=dict(self.cfg.labels),
             mgmt_addr=self.identity.mgmt_addr, mgmt_interface=self.identity.mgmt_interface,
             fabrics=[FabricAttachment(fabric=f.name, hcas=list(f.hcas)) for f in self.cfg.fabrics],
-            shards=[RunningShard(shard_id=s.shard_id, replica_id=(self._specs.get(s.shard_id) or _NO_SPEC).replica_id,
-                                 state=ShardState(s.state.value), pid=s.pid, spec=self._specs.get(s.shard_id))
-                    for s in self.supervisor.statuses()],
+            shards=self._running_shards(),
             weights=self._weights_held(),
         )
+
+    def _running_shards(self) -> list[RunningShard]:
+        assert self.supervisor is not None
+        out = [RunningShard(shard_id=s.shard_id, replica_id=(self._specs.get(s.shard_id) or _NO_SPEC).replica_id,
+                            state=ShardState(s.state.value), pid=s.pid, spec=self._specs.get(s.shard_id))
+               for s in self.supervisor.statuses()]
+        # A shard still fetching its weights has no process yet but will start one:
+        # left out, a control plane reconnecting mid-download would let it go and
+        # the engine would later run unknown to anyone.
+        listed = {r.shard_id for r in out}
+        for sid in self._starting:
+            spec = self._specs.get(sid)
+            if sid not in listed and spec is not None:
+                out.append(RunningShard(shard_id=sid, replica_id=spec.replica_id, state=ShardState.PENDING, spec=spec))
+        return out
 
     async def _heartbeat(self) -> Heartbeat:
         assert self.supervisor is not None and self.installer is not None

@@ -85,13 +85,13 @@ def admin_call(method: str, admin: str, path: str, body: dict | None = None) -> 
     except httpx.HTTPError as exc:
         fail(f"cannot reach the control plane's admin API at {admin}: {exc}; is llmgw server running, "
              "and is --admin its admin_listen?")
-    if r.status_code not in (200, 201):
+    if not 200 <= r.status_code < 300:
         try:
             message = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = r.text[:200]
         fail(f"{url} answered {r.status_code}: {message}")
-    return r.json()
+    return r.json() if r.content else {}
 
 
 def _ago(ts: float | None) -> str:
@@ -99,44 +99,208 @@ def _ago(ts: float | None) -> str:
 
     if not ts:
         return "-"
-    s = max(0, time.time() - ts)
-    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
+    return _duration(time.time() - ts) + " ago"
+
+
+def _duration(s: float | None) -> str:
+    """45s, 12m, 5h, 3d: how long, to a person's precision."""
+    if s is None:
+        return "-"
+    s = max(0.0, s)
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 2 * 3600:
+        return f"{s / 60:.0f}m"
+    if s < 2 * 86400:
+        return f"{s / 3600:.0f}h"
+    return f"{s / 86400:.0f}d"
+
+
+def _size(n: float | None) -> str:
+    """Bytes in decimal units, as disks and downloads are sold: 300 MB, 1.2 GB."""
+    if n is None:
+        return "?"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.1f} {unit}" if v < 10 else f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _print_rows(headers: list[str], rows: list[tuple[list[str], list[str]]]) -> None:
+    """A plain table: columns padded to their widest cell, and under a row any
+    lines of its own (a download, a failure), which do not widen the columns."""
+    widths = [max([len(h), *(len(cells[i]) for cells, _ in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    typer.echo(line(headers))
+    for cells, extra in rows:
+        typer.echo(line(cells))
+        for text in extra:
+            typer.echo(text)
+
+
+def _percent(p: dict) -> float | None:
+    done, total = p.get("bytes_done"), p.get("bytes_total")
+    if p.get("percent") is not None:
+        return p["percent"]
+    if done is not None and total:
+        return 100.0 * done / total
+    return None
+
+
+def _engine_words(n: dict) -> str:
+    """Ready engines with their versions, then the others with what is happening to them."""
+    engines = n.get("engines") or {}
+    words = [f"{k} {v}".strip() for k, v in engines.items()]
+    for engine, st in (n.get("provision") or {}).items():
+        if st.get("state") == "ready" or engine in engines:
+            continue
+        text = f"{engine} {st.get('state')}"
+        if st.get("detail"):
+            text += f": {st['detail']}"
+        pct = _percent(st.get("progress") or {})
+        if pct is not None:
+            text += f" {pct:.0f}%"
+        words.append(text)
+    return ", ".join(words) or "-"
+
+
+def _label_matches(labels: dict, want: str) -> bool:
+    key, eq, value = want.partition("=")
+    if key not in labels:
+        return False
+    return not eq or str(labels[key]) == value
 
 
 @app.command("nodes")
 def nodes(
     admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
-    state: Optional[str] = typer.Option(None, "--state", help="Only nodes in this state: ready, unreachable or lost."),
-    as_json: bool = typer.Option(False, "--json", help="Print the nodes as JSON."),
+    state: Optional[str] = typer.Option(
+        None, "--state", help="Only nodes whose state starts with this: ready, cordoned, draining, unreachable, lost."),
+    gpu_class: Optional[str] = typer.Option(None, "--class", help="Only nodes with GPUs of this class, e.g. h100-80g."),
+    fabric: Optional[str] = typer.Option(None, "--fabric", help="Only nodes attached to this fabric."),
+    label: Optional[list[str]] = typer.Option(
+        None, "--label", help="Only nodes with this label, as KEY or KEY=VALUE (may be repeated: all must match)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the nodes shown (after the filters) as JSON."),
 ) -> None:
-    """List the nodes that joined the control plane: state, memory, GPUs, engines, shards, last seen."""
+    """List the nodes: state, free GPUs, memory, disk, engines, GPU classes, fabrics, replicas, last seen."""
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
-    data = [n for n in _admin_get(admin, "/api/v1/nodes")["nodes"] if state is None or n["state"] == state]
+    data = [
+        n for n in _admin_get(admin, "/api/v1/nodes")["nodes"]
+        if (state is None or n["state"].startswith(state))
+        and (gpu_class is None or gpu_class in (n.get("classes") or ()))
+        and (fabric is None or fabric in (n.get("fabrics") or ()))
+        and all(_label_matches(n.get("labels") or {}, want) for want in label or ())
+    ]
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
     if not data:
-        typer.echo("no nodes" + (f" in state {state}" if state else " have joined; start llmgw agent on a node"))
+        filtered = state or gpu_class or fabric or label
+        typer.echo("no nodes match" if filtered else "no nodes have joined; start llmgw agent on a node")
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("NODE", "STATE", "MEMORY", "GPUS", "ENGINES", "SHARDS", "LAST SEEN"):
-        table.add_column(col, no_wrap=True)
+    rows = []
     for n in data:
         mem = n.get("memory") or {}
         total, avail = mem.get("total_bytes"), mem.get("available_bytes")
         memory = f"{avail / 2**30:.0f}/{total / 2**30:.0f} GiB free" if total and avail is not None else "-"
-        engines = ", ".join(f"{k} {v}" for k, v in (n.get("engines") or {}).items())
-        installing = [f"{k}: {v.get('state')}" for k, v in (n.get("provision") or {}).items()
-                      if v.get("state") != "ready"]
-        shards = ", ".join(f"{k} {v.get('state')}" for k, v in (n.get("shards") or {}).items())
-        table.add_row(n["node_id"], n["state"] + ("" if n["connected"] else " (disconnected)"), memory,
-                      str(n.get("gpus") or 0), "; ".join(filter(None, [engines, *installing])) or "-",
-                      shards or "-", _ago(n.get("last_seen")))
-    Console(highlight=False, width=200).print(table)
+        dfree, dtotal = n.get("disk_free_bytes"), n.get("disk_total_bytes")
+        disk = f"{_size(dfree)} free of {_size(dtotal)}" if dfree is not None and dtotal else (
+            f"{_size(dfree)} free" if dfree is not None else "-")
+        gpus = f"{n.get('gpus_free', 0)}/{n['gpus_total']}" if n.get("gpus_total") else "-"
+        replicas = n.get("replicas") or []
+        cells = [n["node_id"], n["state"] + ("" if n.get("connected", True) else " (disconnected)"), gpus, memory,
+                 disk, _engine_words(n), ", ".join(n.get("classes") or ()) or "-",
+                 ", ".join(n.get("fabrics") or ()) or "-", ", ".join(replicas) or "-", _ago(n.get("last_seen"))]
+        rows.append((cells, [f"  warning: {w}" for w in n.get("warnings") or ()]))
+    _print_rows(["NODE", "STATE", "GPUS", "MEM", "DISK", "ENGINES", "CLASSES", "FABRICS", "REPLICAS", "LAST SEEN"],
+                rows)
+
+
+def _fetch_line(fetch: dict) -> str:
+    source = fetch.get("source") or "weights"
+    done, total = fetch.get("bytes_done"), fetch.get("bytes_total")
+    pct = _percent(fetch)
+    if total:
+        return f"  fetching {source}: {pct:.0f}% of {_size(total)}"
+    if pct is not None:
+        return f"  fetching {source}: {pct:.0f}%"
+    return f"  fetching {source}: {_size(done or 0)} so far"
+
+
+@app.command("replicas")
+def replicas(
+    model: Optional[str] = typer.Option(None, "--model", help="Only this model's replicas."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the replicas as JSON."),
+) -> None:
+    """List the replicas the control plane runs: state, nodes, endpoint, age, idle time, downloads in progress."""
+    import json
+    from urllib.parse import urlencode
+
+    query = f"?{urlencode({'model': model})}" if model else ""
+    data = _admin_get(admin, f"/api/v1/replicas{query}")["replicas"]
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    if not data:
+        typer.echo(f"no replicas of {model}" if model else "no replicas; add a model with llmgw ctl model add -f model.yaml")
+        return
+    rows = []
+    for r in data:
+        shards = r.get("shards") or []
+        nodes_ = list(dict.fromkeys(s["node"] for s in shards if s.get("node")))
+        state = r["state"] + (" (stale profile)" if r.get("stale") else "")
+        cells = [r["id"], r["model"], r.get("profile") or "-", state, r.get("pool") or "-",
+                 ", ".join(nodes_) or "-", r.get("endpoint") or "-", _duration(r.get("age_s")),
+                 _duration(r.get("idle_s"))]
+        extra = []
+        for s in shards:
+            if s.get("fetch"):
+                line = _fetch_line(s["fetch"])
+                extra.append(line + (f" (on {s['node']})" if len(shards) > 1 else ""))
+        if r.get("reason"):
+            extra.append(f"  {r['reason']}")
+        rows.append((cells, extra))
+    _print_rows(["REPLICA", "MODEL", "PROFILE", "STATE", "POOL", "NODES", "ENDPOINT", "AGE", "IDLE"], rows)
+
+
+def _node_action(action: str, node: str, admin: str) -> None:
+    from urllib.parse import quote
+
+    data = admin_call("POST", admin, f"/api/v1/nodes/{quote(node, safe='')}/{action}")
+    typer.echo(data.get("message") or f"{data.get('node', node)} is {data.get('state', action)}")
+
+
+@app.command("cordon")
+def cordon(
+    node: str = typer.Argument(..., help="The node's id."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+) -> None:
+    """Stop placing new work on a node; what runs there keeps running."""
+    _node_action("cordon", node, admin)
+
+
+@app.command("uncordon")
+def uncordon(
+    node: str = typer.Argument(..., help="The node's id."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+) -> None:
+    """Let a cordoned or drained node take new work again."""
+    _node_action("uncordon", node, admin)
+
+
+@app.command("drain")
+def drain(
+    node: str = typer.Argument(..., help="The node's id."),
+    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+) -> None:
+    """Move work off a node, one replica at a time; nothing new is placed there meanwhile."""
+    _node_action("drain", node, admin)
 
 
 model_app = typer.Typer(help="Models the control plane runs (added at run time; server.yaml's are changed there).",

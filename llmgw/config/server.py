@@ -20,6 +20,8 @@ from llmgw.config.types import ByteSize, Duration, Listen, ListenAddress, parse_
 
 DEFAULT_STORE = "/var/lib/llmgw/llmgw.db"
 DEFAULT_CONFIG_PATH = "/etc/llmgw/server.yaml"
+# The llama.cpp release nodes install unless server.yaml's engines: says otherwise.
+DEFAULT_LLAMACPP = "b10991"
 
 Engine = Literal["llamacpp", "vllm", "sglang", "openai"]
 
@@ -174,6 +176,10 @@ class ProfileConfig(_Block):
     weight: float = Field(default=1.0, gt=0, description="Share of traffic relative to the model's other profiles.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments, e.g. [--no-jinja].")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine, e.g. NCCL variables.")
+    startup_timeout: Duration = Field(
+        default=1800.0,
+        description="A replica not ready this long after it was started (fetching its weights included) has failed.",
+    )
 
     @field_validator("gpu_class")
     @classmethod
@@ -216,6 +222,8 @@ class ProfileConfig(_Block):
             )
         if self.engine == "llamacpp" and (self.tp > 1 or self.nodes > 1):
             raise ValueError("llamacpp runs a replica on one node without tensor parallelism; set tp and nodes to 1 or use vllm/sglang")
+        if self.startup_timeout <= 0:
+            raise ValueError("startup_timeout must be longer than 0s")
         if self.tp % self.nodes:
             raise ValueError(f"tp ({self.tp}) must divide evenly across nodes ({self.nodes})")
         if not self.name:
@@ -232,6 +240,10 @@ class ProfileConfig(_Block):
         does not mark every running replica stale."""
         data = self.model_dump(mode="json", exclude_defaults=True)
         data["name"] = self.name
+        # Neither changes the engine that runs: a new traffic share or patience
+        # must not mark every replica stale.
+        data.pop("weight", None)
+        data.pop("startup_timeout", None)
         canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return hashlib.sha256(canon.encode("utf-8")).hexdigest()
 
@@ -391,6 +403,88 @@ class ControlConfig(_Block):
     enabled: bool = Field(default=False, description="Listen for node agents on agent_listen.")
     unreachable_after: Duration = Field(default=15.0, description="A node with no message for this long is unreachable.")
     lost_after: Duration = Field(default=60.0, description="A node with no message for this long is lost.")
+    interval: Duration = Field(default=5.0, description="How often the reconciler compares what runs with what should run.")
+    base_backoff: Duration = Field(
+        default=10.0, description="Wait after a model's replica failed to start; doubled on each failure in a row."
+    )
+    max_backoff: Duration = Field(default=300.0, description="The longest wait between start attempts of a model.")
+    engine_ports: str = Field(
+        default="20000-29999", description="Ports engines are given on nodes, FIRST-LAST; each replica takes one."
+    )
+    cold_start_wait: Duration = Field(
+        default=600.0,
+        description="How long a request to an on-demand model with no replica waits for one to load before a 503.",
+    )
+
+    @field_validator("engine_ports")
+    @classmethod
+    def _ports(cls, v: str) -> str:
+        port_range(v)
+        return v
+
+    @property
+    def port_range(self) -> tuple[int, int]:
+        return port_range(self.engine_ports)
+
+    @model_validator(mode="after")
+    def _times(self) -> "ControlConfig":
+        if not 0 < self.unreachable_after < self.lost_after:
+            raise ValueError(f"unreachable_after ({self.unreachable_after:g}s) must be above 0 and below "
+                             f"lost_after ({self.lost_after:g}s)")
+        for key in ("interval", "base_backoff", "cold_start_wait"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be longer than 0s")
+        if self.max_backoff < self.base_backoff:
+            raise ValueError(f"max_backoff ({self.max_backoff:g}s) is shorter than base_backoff ({self.base_backoff:g}s)")
+        return self
+
+
+def port_range(text: str) -> tuple[int, int]:
+    """"20000-29999" -> (20000, 29999); refuses anything else with the reason."""
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text or "")
+    if not m:
+        raise ValueError(f'"{text}" is not a port range; write FIRST-LAST, e.g. 20000-29999')
+    lo, hi = int(m.group(1)), int(m.group(2))
+    if not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f'"{text}": ports must run from 1024 to 65535 with FIRST no larger than LAST')
+    return lo, hi
+
+
+class EnginesConfig(_Block):
+    """The engine versions every node converges on; null leaves an engine alone."""
+
+    llamacpp: str | None = Field(default=DEFAULT_LLAMACPP, description="llama.cpp release tag installed on every node.")
+    vllm: str | None = Field(default=None, description="vLLM version installed on GPU nodes, e.g. 0.11.0; null: not installed.")
+    sglang: str | None = Field(default=None, description="SGLang version installed on GPU nodes; null: not installed.")
+    release_url: str | None = Field(
+        default=None,
+        description="Base URL of llama.cpp release archives (a mirror holding TAG/ASSET); null: GitHub.",
+    )
+
+    @field_validator("llamacpp", "vllm", "sglang")
+    @classmethod
+    def _version(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", v):
+            raise ValueError(f'"{v}" is not a version or release tag (letters, digits, . _ + -)')
+        return v
+
+    @field_validator("release_url")
+    @classmethod
+    def _release_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f'"{v}" is not an http(s) URL')
+        return v
+
+    def wanted(self) -> list[tuple[str, str, str | None]]:
+        """(engine, version, source URL) for each engine named."""
+        out: list[tuple[str, str, str | None]] = []
+        for engine in ("llamacpp", "vllm", "sglang"):
+            version = getattr(self, engine)
+            if version:
+                out.append((engine, version, self.release_url if engine == "llamacpp" else None))
+        return out
 
 
 class ServerConfig(_Block):
@@ -409,6 +503,7 @@ class ServerConfig(_Block):
         description="Mutual TLS for agents; null means plaintext, for one trusted machine only.",
     )
     control: ControlConfig = Field(default_factory=ControlConfig)
+    engines: EnginesConfig = Field(default_factory=EnginesConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)

@@ -19,6 +19,8 @@ from llmgw.config.types import ListenAddress
 from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.server.control.agents import AgentService
 from llmgw.server.control.catalog import Catalog
+from llmgw.server.control.fleet_metrics import FleetCollector
+from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.admin.api import AdminAPI, NotControlPlane, dumps
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
@@ -50,9 +52,12 @@ class Server:
         ]
         self.endpoints = EndpointSet(eps, config.router.scrape_interval, config.router.metrics_stale_after,
                                      config.timeouts.connect)
+        # Engines run outside llmgw, by (model, url): those of models added at run time come and go.
+        self._static = {(ep.model, ep.url): ep for ep in eps}
         self.gateway: Gateway | None = None
         self.agents: AgentService | None = None
         self.catalog: Catalog | None = None
+        self.reconciler: Reconciler | None = None
         self._runners: list[web.AppRunner] = []
         self.started_at = time.time()
 
@@ -72,6 +77,8 @@ class Server:
         self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit)
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
+        if self.catalog is not None:
+            self.models_changed()
         await self.gateway.start()
         await self.endpoints.start()
         self.keys.start()
@@ -82,7 +89,15 @@ class Server:
             if cfg.metrics_listen is not None:
                 await self._listen(cfg.metrics_listen, "metrics_listen", self._metrics_app())
             if cfg.control.enabled:
-                await self._listen(cfg.agent_listen, "agent_listen", self._agent_app(), self._agent_tls())
+                agent_app = self._agent_app()
+                assert self.agents is not None and self.catalog is not None
+                self.reconciler = Reconciler(cfg, self.catalog, self.agents, self.endpoints, self.store)
+                self.gateway.demand = self.reconciler
+                await self.reconciler.start()
+                rec = self.reconciler
+                self.metrics.watch_fleet(FleetCollector(self.agents, lambda: list(rec.replicas.values()),
+                                                        lambda: dict(rec.marks)))
+                await self._listen(cfg.agent_listen, "agent_listen", agent_app, self._agent_tls())
         except StartError:
             await self.stop()
             raise
@@ -95,6 +110,10 @@ class Server:
     async def stop(self) -> None:
         # Listeners first (running requests get timeouts.drain to finish), then the
         # background work, then one last usage flush, then the store.
+        if self.reconciler is not None:
+            # Engines keep running: a control plane that stops leaves its fleet serving,
+            # and adopts it again when it comes back.
+            await self.reconciler.stop()
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners = []
@@ -108,6 +127,24 @@ class Server:
         if self.store is not None:
             await self.store.close()
             self.store = None
+
+    def models_changed(self) -> None:
+        """The catalog changed: the gateway serves its models, the reconciler acts at once."""
+        if self.catalog is None or self.gateway is None:
+            return
+        models = [e.model for e in self.catalog.models()]
+        self.gateway.set_models(models)
+        b = self.config.router.breaker
+        wanted = {(m.name, e.url): e for m in models for e in m.endpoints}
+        for key in [k for k in self._static if k not in wanted]:
+            self.endpoints.remove(self._static.pop(key))
+        for (name, url), e in wanted.items():
+            if (name, url) not in self._static:
+                ep = Endpoint(name, url, e.engine, e.model, b.failures, b.cooldown)
+                self._static[(name, url)] = ep
+                self.endpoints.add(ep)
+        if self.reconciler is not None:
+            self.reconciler.wake()
 
     async def _listen(self, addr: ListenAddress, key: str, app: web.Application,
                       ssl_context: ssl.SSLContext | None = None) -> None:

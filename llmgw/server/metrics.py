@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from llmgw.server.gateway.endpoints import EndpointSet
@@ -84,6 +85,11 @@ class GatewayMetrics:
 
     def watch(self, endpoints: "EndpointSet", usage: "UsageRecorder | None") -> None:
         self.registry.register(_StateCollector(endpoints, usage))
+
+    def watch_fleet(self, collector: Collector) -> None:
+        """Export the fleet (nodes, GPUs, replicas) from ``collector``, a
+        ``llmgw.server.control.fleet_metrics.FleetCollector``, read at scrape time."""
+        self.registry.register(collector)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

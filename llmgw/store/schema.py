@@ -87,3 +87,11 @@ catalog_models = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
 )
+
+# Nodes an operator cordoned or is draining: "cordoned" or "draining".
+node_marks = Table(
+    "node_marks", metadata,
+    Column("node_id", String(200), primary_key=True),
+    Column("mark", String(20), nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)

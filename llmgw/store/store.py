@@ -19,7 +19,7 @@ from .address import NUMERIC_PARAMS, resolve_store_address
 from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
 from .migrate import WRITE, upgrade_to_head
 from .records import KeyRecord, UsageRow, utcnow
-from .schema import KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, store_state, usage
+from .schema import KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, node_marks, store_state, usage
 
 SECRET_PREFIX = "llmgw-"
 PREFIX_LEN = 14           # the visible part of a secret: "llmgw-" and 8 random characters
@@ -347,3 +347,21 @@ class Store:
         async with self._writer.begin() as conn:
             done = await conn.execute(delete(catalog_models).where(catalog_models.c.name == name))
         return done.rowcount == 1
+
+    # -- node marks ---------------------------------------------------------
+
+    async def node_marks_list(self) -> dict[str, str]:
+        """Node id -> "cordoned" or "draining"."""
+        async with self._engine.connect() as conn:
+            return {r.node_id: r.mark for r in await conn.execute(select(node_marks))}
+
+    async def node_mark_set(self, node_id: str, mark: str | None) -> None:
+        """Cordon or drain a node (mark), or clear its mark (None)."""
+        if mark not in (None, "cordoned", "draining"):
+            raise StoreError(f'A node mark is "cordoned" or "draining", not {mark!r}.')
+        if not isinstance(node_id, str) or not node_id or len(node_id) > 200:
+            raise StoreError(f"A node id must be 1 to 200 characters, not {node_id!r}.")
+        async with self._writer.begin() as conn:
+            await conn.execute(delete(node_marks).where(node_marks.c.node_id == node_id))
+            if mark is not None:
+                await conn.execute(node_marks.insert().values(node_id=node_id, mark=mark, updated_at=utcnow()))

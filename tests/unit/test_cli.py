@@ -22,6 +22,7 @@ def test_every_command_has_help():
     for args in [(), ("server",), ("keys",), ("keys", "create"), ("keys", "list"), ("keys", "revoke"), ("up",),
                  ("agent",), ("agent", "inventory"), ("agent", "engine-check"), ("ctl",), ("ctl", "cert"),
                  ("ctl", "nodes"), ("ctl", "models"), ("ctl", "model", "add"), ("ctl", "scale"), ("ctl", "logs"), ("ctl", "explain-placement"),
+                 ("ctl", "replicas"), ("ctl", "cordon"), ("ctl", "uncordon"), ("ctl", "drain"),
                  ("node", "remove")]:
         r = run(*args, "--help")
         assert r.exit_code == 0, args
@@ -68,3 +69,210 @@ def test_keys_use_the_store_of_the_config(tmp_path):
     assert (tmp_path / "from-config.db").exists()
     r = run("keys", "create", "--name", "a", "--expires-in", "30d", "--config", str(cfg))
     assert r.exit_code == 0 and "expires" in r.output
+
+
+# -- ctl against a stub admin API ----------------------------------------------
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+
+class StubAdmin:
+    """An admin API answering canned JSON per (method, path), recording each request."""
+
+    def __init__(self) -> None:
+        self.routes: dict[tuple[str, str], tuple[int, object]] = {}
+        self.seen: list[tuple[str, str]] = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                stub.seen.append((self.command, self.path))
+                status, body = stub.routes.get((self.command, self.path),
+                                               (404, {"error": {"message": f"no route {self.path}"}}))
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def admin():
+    stub = StubAdmin()
+    yield stub
+    stub.close()
+
+
+def ctl(admin: StubAdmin, *args):
+    return run("ctl", *args, "--admin", admin.url)
+
+
+def node(node_id: str, **kw) -> dict:
+    base = {"node_id": node_id, "state": "ready", "connected": True, "last_seen": time.time() - 3,
+            "agent_version": "0.1.0", "mgmt_addr": "10.0.0.1", "labels": {}, "engines": {}, "provision": {},
+            "memory": {"total_bytes": 512 * 2**30, "available_bytes": 400 * 2**30}, "gpus_total": 0,
+            "gpus_free": 0, "classes": [], "fabrics": [], "disk_free_bytes": None, "disk_total_bytes": None,
+            "replicas": [], "warnings": []}
+    base.update(kw)
+    return base
+
+
+NODES = [
+    node("gpu-1", labels={"rack": "a1", "zone": "west"}, engines={"llamacpp": "b5000"},
+         provision={"llamacpp": {"engine": "llamacpp", "version": "b5000", "state": "ready", "detail": None,
+                                 "progress": None},
+                    "vllm": {"engine": "vllm", "version": "0.9.0", "state": "installing",
+                             "detail": "downloading wheels", "progress": {"bytes_done": 400, "bytes_total": 1000}}},
+         gpus_total=8, gpus_free=6, classes=["h100-80g"], fabrics=["ib0"], disk_free_bytes=1_500_000_000_000,
+         disk_total_bytes=2_000_000_000_000, replicas=["qwen-1a2b"], warnings=["GPU 3: 2 uncorrected ECC errors"]),
+    node("gpu-2", state="cordoned", labels={"rack": "b2"}, gpus_total=4, gpus_free=4, classes=["l40s-45g"]),
+    node("cpu-1", state="unreachable", connected=False, memory=None, last_seen=None, labels={"zone": "east"},
+         provision={"llamacpp": {"engine": "llamacpp", "version": None, "state": "failed",
+                                 "detail": "no release for this CPU", "progress": None}}),
+]
+
+
+def rows(output: str) -> dict[str, str]:
+    """Table lines by their first word."""
+    return {line.split()[0]: line for line in output.splitlines() if line.strip() and not line.startswith(" ")}
+
+
+def test_ctl_nodes_table(admin):
+    admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": NODES})
+    r = ctl(admin, "nodes")
+    assert r.exit_code == 0, r.output
+    t = rows(r.stdout)
+    assert t["NODE"].split() == ["NODE", "STATE", "GPUS", "MEM", "DISK", "ENGINES", "CLASSES", "FABRICS", "REPLICAS",
+                                 "LAST", "SEEN"]
+    g1 = t["gpu-1"]
+    for want in ("ready", "6/8", "400/512 GiB free", "1.5 TB free of 2.0 TB", "llamacpp b5000",
+                 "vllm installing: downloading wheels 40%", "h100-80g", "ib0", "qwen-1a2b", "s ago"):
+        assert want in g1, want
+    assert "  warning: GPU 3: 2 uncorrected ECC errors" in r.stdout
+    assert "cordoned" in t["gpu-2"] and "4/4" in t["gpu-2"] and "l40s-45g" in t["gpu-2"]
+    c1 = t["cpu-1"]
+    assert "unreachable (disconnected)" in c1 and "llamacpp failed: no release for this CPU" in c1
+    # Columns line up: every row's GPUS cell starts where the header's does.
+    col = t["NODE"].index("GPUS")
+    assert g1[col:].startswith("6/8") and c1[col:].startswith("-")
+
+
+@pytest.mark.parametrize("args, shown", [
+    (("--state", "read"), {"gpu-1"}),
+    (("--state", "un"), {"cpu-1"}),
+    (("--class", "l40s-45g"), {"gpu-2"}),
+    (("--fabric", "ib0"), {"gpu-1"}),
+    (("--label", "rack"), {"gpu-1", "gpu-2"}),
+    (("--label", "rack=b2"), {"gpu-2"}),
+    (("--label", "rack", "--label", "zone=west"), {"gpu-1"}),
+])
+def test_ctl_nodes_filters(admin, args, shown):
+    admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": NODES})
+    r = ctl(admin, "nodes", *args)
+    assert r.exit_code == 0, r.output
+    assert set(rows(r.stdout)) - {"NODE"} == shown
+    r = ctl(admin, "nodes", *args, "--json")
+    assert r.exit_code == 0, r.output
+    assert {n["node_id"] for n in json.loads(r.stdout)} == shown
+
+
+def test_ctl_nodes_nothing_matches(admin):
+    admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": NODES})
+    r = ctl(admin, "nodes", "--class", "b200-180g")
+    assert r.exit_code == 0 and r.stdout.strip() == "no nodes match"
+    admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": []})
+    assert "no nodes have joined" in ctl(admin, "nodes").stdout
+
+
+def replica(rid: str, **kw) -> dict:
+    base = {"id": rid, "model": "qwen", "profile": "default", "state": "ready", "pool": "default", "stale": False,
+            "age_s": 3700, "idle_s": 30, "endpoint": "http://10.0.0.1:8001", "reason": None,
+            "shards": [{"node": "gpu-1", "shard_id": f"{rid}-0", "rank": 0, "gpus": [0], "state": "running",
+                        "fetch": None}]}
+    base.update(kw)
+    return base
+
+
+REPLICAS = [
+    replica("qwen-1a2b", stale=True),
+    replica("qwen-3c4d", state="loading", endpoint=None, idle_s=None, age_s=40,
+            shards=[{"node": "gpu-2", "shard_id": "s0", "rank": 0, "gpus": [0, 1], "state": "pending",
+                     "fetch": {"source": "http://mirror:8081/qwen/", "bytes_done": 504_000_000,
+                               "bytes_total": 1_200_000_000, "percent": 42.0}}]),
+    replica("llama-5e6f", model="llama", state="starting", endpoint=None, idle_s=None, age_s=10,
+            shards=[{"node": "gpu-1", "shard_id": "s1", "rank": 0, "gpus": [2], "state": "pending",
+                     "fetch": {"source": "hf:meta/llama", "bytes_done": 300_000_000, "bytes_total": None,
+                               "percent": None}}]),
+    replica("tiny-7a8b", model="tiny", state="failed", endpoint=None, idle_s=None, age_s=5,
+            reason="llama-server exited with status 1: out of memory", shards=[]),
+]
+
+
+def test_ctl_replicas_table(admin):
+    admin.routes[("GET", "/api/v1/replicas")] = (200, {"replicas": REPLICAS})
+    r = ctl(admin, "replicas")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["REPLICA", "MODEL", "PROFILE", "STATE", "POOL", "NODES", "ENDPOINT", "AGE", "IDLE"]
+    t = rows(r.stdout)
+    assert "ready (stale profile)" in t["qwen-1a2b"] and "http://10.0.0.1:8001" in t["qwen-1a2b"]
+    assert t["qwen-1a2b"].split()[-2:] == ["62m", "30s"]
+    assert "loading" in t["qwen-3c4d"] and "stale" not in t["qwen-3c4d"] and "gpu-2" in t["qwen-3c4d"]
+    # Under a fetching shard, its download; the total unknown says how much so far.
+    assert lines[lines.index(t["qwen-3c4d"]) + 1] == "  fetching http://mirror:8081/qwen/: 42% of 1.2 GB"
+    assert lines[lines.index(t["llama-5e6f"]) + 1] == "  fetching hf:meta/llama: 300 MB so far"
+    assert lines[lines.index(t["tiny-7a8b"]) + 1] == "  llama-server exited with status 1: out of memory"
+    assert len(lines) == 1 + len(REPLICAS) + 3
+
+
+def test_ctl_replicas_model_filter_and_json(admin):
+    admin.routes[("GET", "/api/v1/replicas?model=qwen")] = (200, {"replicas": REPLICAS[:2]})
+    r = ctl(admin, "replicas", "--model", "qwen", "--json")
+    assert r.exit_code == 0, r.output
+    assert [x["id"] for x in json.loads(r.stdout)] == ["qwen-1a2b", "qwen-3c4d"]
+    assert admin.seen[-1] == ("GET", "/api/v1/replicas?model=qwen")
+    admin.routes[("GET", "/api/v1/replicas?model=none")] = (200, {"replicas": []})
+    assert ctl(admin, "replicas", "--model", "none").stdout.strip() == "no replicas of none"
+
+
+@pytest.mark.parametrize("action, state", [("cordon", "cordoned"), ("uncordon", "ready"), ("drain", "draining")])
+def test_ctl_cordon_uncordon_drain(admin, action, state):
+    message = f"gpu-1 is {state}"
+    admin.routes[("POST", f"/api/v1/nodes/gpu-1/{action}")] = (200, {"node": "gpu-1", "state": state,
+                                                                      "message": message})
+    r = ctl(admin, action, "gpu-1")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == message
+    assert admin.seen == [("POST", f"/api/v1/nodes/gpu-1/{action}")]
+
+
+def test_ctl_node_action_errors(admin):
+    admin.routes[("POST", "/api/v1/nodes/ghost/drain")] = (
+        404, {"error": {"message": "no node named ghost is known", "type": "not_found_error"}})
+    r = ctl(admin, "drain", "ghost")
+    assert r.exit_code == 1
+    assert "answered 404: no node named ghost is known" in r.output
+    r = run("ctl", "cordon", "gpu-1", "--admin", "http://127.0.0.1:1")
+    assert r.exit_code == 1 and "cannot reach the control plane's admin API" in r.output

@@ -204,10 +204,13 @@ def test_spreads_cpu_replicas():
     ]
     req = cpu(min_memory_gb=8)
     results, after = place_all([req, req, req, req], nodes)
-    assert [r.nodes[0][0] for r in results] == ["c2", "c2", "c3", "c1"]
+    # Fewest replicas first, then most free memory: every node gets one before any gets two.
+    assert [r.nodes[0][0] for r in results] == ["c2", "c3", "c1", "c2"]
     assert after[1].memory_claimed_gb == 16.0
     v = explain(req, nodes)
     assert reasons(v, "c1") == ["c1 fits, but c2 has more free memory (40 GB there, 24 GB here)"]
+    v = explain(req, after)
+    assert reasons(v, "c2") == ["c2 fits, but c3 runs fewer replicas (1 there, 2 here)"]
 
 
 def test_ties_by_node_id_naturally():

@@ -43,7 +43,7 @@ async def test_open_twice_is_idempotent(address):
         assert [k.id for k in await s.list_keys()] == [rec.id]
         assert await s.keys_generation() == 1
         rows = await _all_rows(s)
-        assert rows["alembic_version"] == [("0002",)]
+        assert rows["alembic_version"] == [("0003",)]
         assert rows["store_state"] == [("keys_generation", 1)]
     finally:
         await s.close()
@@ -90,7 +90,7 @@ async def test_concurrent_opens_of_different_databases(tmp_path):
     try:
         for s in stores:
             assert await s.keys_generation() == 0
-            assert (await _all_rows(s))["alembic_version"] == [("0002",)]
+            assert (await _all_rows(s))["alembic_version"] == [("0003",)]
     finally:
         for s in stores:
             await s.close()
@@ -336,3 +336,22 @@ async def test_revoked_key_hashes(store):
     assert await store.revoked_key_hashes() == []
     revoked = await store.revoke_key(rec.id)
     assert await store.revoked_key_hashes() == [(hash_secret(secret), revoked.revoked_at)]
+
+
+# -- node marks ---------------------------------------------------------------------
+
+async def test_node_marks_set_replace_clear_and_refuse(address):
+    s = await Store.open(address)
+    try:
+        assert await s.node_marks_list() == {}
+        await s.node_mark_set("node-1", "cordoned")
+        await s.node_mark_set("node-2", "draining")
+        await s.node_mark_set("node-1", "draining")
+        assert await s.node_marks_list() == {"node-1": "draining", "node-2": "draining"}
+        await s.node_mark_set("node-2", None)
+        assert await s.node_marks_list() == {"node-1": "draining"}
+        with pytest.raises(StoreError, match='"cordoned" or "draining"'):
+            await s.node_mark_set("node-3", "asleep")
+        assert await s.node_marks_list() == {"node-1": "draining"}
+    finally:
+        await s.close()

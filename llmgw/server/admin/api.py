@@ -16,7 +16,8 @@ from llmgw import __version__
 from llmgw.protocol import LogsReply, LogsRequest
 from llmgw.server.control.agents import AgentServiceError
 from llmgw.server.control.catalog import Catalog, CatalogError, check_source
-from llmgw.server.control.placement import PlacementRequest, explain, node_view
+from llmgw.server.control.placement import explain, gpu_class_of, node_view
+from llmgw.server.control.reconciler import ControlError, Reconciler
 from llmgw.server.gateway.errors import error_response
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ class AdminAPI:
         app.router.add_get("/api/v1/nodes", self._api_nodes)
         app.router.add_delete("/api/v1/nodes/{node}", self._api_node_remove)
         app.router.add_get("/api/v1/nodes/{node}/logs", self._api_node_logs)
+        app.router.add_post("/api/v1/nodes/{node}/cordon", self._api_node_cordon)
+        app.router.add_post("/api/v1/nodes/{node}/uncordon", self._api_node_uncordon)
+        app.router.add_post("/api/v1/nodes/{node}/drain", self._api_node_drain)
+        app.router.add_get("/api/v1/replicas", self._api_replicas)
         app.router.add_get("/api/v1/models", self._api_models)
         app.router.add_post("/api/v1/models", self._api_model_add)
         app.router.add_delete("/api/v1/models/{name}", self._api_model_remove)
@@ -64,21 +69,79 @@ class AdminAPI:
             })
         return web.json_response({"endpoints": out}, dumps=dumps)
 
-    async def _api_nodes(self, request: web.Request) -> web.Response:
-        if self.s.agents is None:
+    def _need_reconciler(self) -> Reconciler:
+        if self.s.reconciler is None or self.s.agents is None:
             raise NotControlPlane()
+        return self.s.reconciler
+
+    async def _api_nodes(self, request: web.Request) -> web.Response:
+        rec = self._need_reconciler()
+        assert self.s.agents is not None
+        now = time.time()
+        by_node: dict[str, list[str]] = {}
+        for r in rec.replicas.values():
+            for nid in dict.fromkeys(r.node_ids):
+                by_node.setdefault(nid, []).append(r.id)
         out = []
         for n in self.s.agents.nodes():
+            view = node_view(n)
+            gpus = n.inventory.gpus if n.inventory and n.inventory.gpus else []
+            claimed = {g for r in rec.replicas.values() for sh in r.shards if sh.node_id == n.node_id and not sh.gone
+                       for g in sh.gpus}
+            storage = n.storage or (n.inventory.storage if n.inventory else None) or []
+            disk = next((st for st in storage if not st.shared), None)
+            warnings = [f"GPU {g.index}: {'; '.join(g.problems)}" for g in view.gpus if g.problems]
+            if n.node_id in rec.node_warnings:
+                warnings.append(rec.node_warnings[n.node_id])
             out.append({
-                "node_id": n.node_id, "state": n.state.value, "connected": n.connected, "last_seen": n.last_seen,
+                "node_id": n.node_id, "state": rec.node_state(n), "connected": n.connected, "last_seen": n.last_seen,
+                "last_seen_ago_s": round(now - n.last_seen, 1) if n.last_seen else None,
                 "agent_version": n.agent_version, "mgmt_addr": n.mgmt_addr, "mgmt_interface": n.mgmt_interface,
-                "labels": n.labels, "engines": n.engine_versions,
+                "labels": n.labels or {}, "engines": n.engine_versions or {},
                 "provision": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.provision.items()},
                 "memory": n.memory.model_dump(mode="json", exclude_none=True) if n.memory else None,
-                "gpus": len(n.inventory.gpus or ()) if n.inventory else None,
+                "gpus_total": len(gpus),
+                "gpus_free": sum(1 for g in view.gpus if g.healthy and g.index not in claimed),
+                "classes": sorted({gpu_class_of(g) for g in gpus}),
+                "fabrics": sorted(view.fabrics),
+                "disk_free_bytes": disk.free_bytes if disk else None,
+                "disk_total_bytes": disk.total_bytes if disk else None,
+                "replicas": sorted(by_node.get(n.node_id, [])),
+                "warnings": warnings,
                 "shards": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.shards.items()},
             })
         return web.json_response({"nodes": out}, dumps=dumps)
+
+    async def _node_op(self, request: web.Request, op: str) -> web.Response:
+        rec = self._need_reconciler()
+        node = request.match_info["node"]
+        try:
+            message = await getattr(rec, op)(node)
+        except ControlError as exc:
+            return error_response(404, str(exc), "node_not_found")
+        n = self.s.agents.get(node) if self.s.agents else None
+        return web.json_response({"node": node, "state": rec.node_state(n) if n else None, "message": message},
+                                 dumps=dumps)
+
+    async def _api_node_cordon(self, request: web.Request) -> web.Response:
+        return await self._node_op(request, "cordon")
+
+    async def _api_node_uncordon(self, request: web.Request) -> web.Response:
+        return await self._node_op(request, "uncordon")
+
+    async def _api_node_drain(self, request: web.Request) -> web.Response:
+        return await self._node_op(request, "drain")
+
+    async def _api_replicas(self, request: web.Request) -> web.Response:
+        rec = self._need_reconciler()
+        model = request.query.get("model") or None
+        if model is not None:
+            entry = self._need_catalog().get(model)
+            if entry is None:
+                return error_response(404, f"no model {model} in the catalog; llmgw ctl models lists them",
+                                      "model_not_found")
+            model = entry.name
+        return web.json_response({"replicas": rec.replica_rows(model)}, dumps=dumps)
 
     async def _api_node_remove(self, request: web.Request) -> web.Response:
         if self.s.agents is None:
@@ -118,7 +181,14 @@ class AdminAPI:
 
     async def _api_models(self, request: web.Request) -> web.Response:
         catalog = self._need_catalog()
-        return web.json_response({"models": [e.to_dict() for e in catalog.models()],
+        rec = self.s.reconciler
+        models = []
+        for e in catalog.models():
+            d = e.to_dict()
+            if rec is not None and e.model.managed:
+                d["status"] = rec.model_status(e.name)
+            models.append(d)
+        return web.json_response({"models": models,
                                   "problems": list(catalog.problems)}, dumps=dumps)
 
     async def _api_model_add(self, request: web.Request) -> web.Response:
@@ -134,6 +204,7 @@ class AdminAPI:
             entry = await catalog.add(body["model"], source_check=check)
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
+        self.s.models_changed()
         return web.json_response({"model": entry.to_dict()}, status=201, dumps=dumps)
 
     async def _api_model_remove(self, request: web.Request) -> web.Response:
@@ -142,6 +213,7 @@ class AdminAPI:
             await catalog.remove(request.match_info["name"])
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
+        self.s.models_changed()
         return web.json_response({"removed": request.match_info["name"]}, dumps=dumps)
 
     async def _api_model_scale(self, request: web.Request) -> web.Response:
@@ -158,6 +230,7 @@ class AdminAPI:
             entry = await catalog.scale(request.match_info["name"], lo, hi)
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
+        self.s.models_changed()
         return web.json_response({"model": entry.to_dict()}, dumps=dumps)
 
     async def _api_model_placement(self, request: web.Request) -> web.Response:
@@ -171,14 +244,12 @@ class AdminAPI:
         if not entry.model.profiles:
             return error_response(400, f"{entry.name} is served from static endpoints; nothing is placed",
                                   "not_managed")
-        views = [node_view(n) for n in self.s.agents.nodes()]
+        rec = self._need_reconciler()
+        views = rec.views({n.node_id: n for n in self.s.agents.nodes()})
         out = []
         for profile in entry.model.profiles:
             try:
-                req = PlacementRequest(
-                    model=entry.name, engine=profile.engine, gpu_class=profile.gpu_class,
-                    tp=max(1, profile.tp // profile.nodes), nodes=profile.nodes, min_memory_gb=profile.min_memory_gb,
-                    node_selector=dict(profile.node_selector), source=entry.model.source)
+                req = rec.request_for(entry, profile)
             except ValueError as exc:
                 out.append({"profile": profile.name, "error": str(exc), "nodes": []})
                 continue

@@ -170,6 +170,8 @@ class ShardEvent:
 
 
 ShardListener = Callable[[ShardEvent], None]
+# Called after every registration with the node and the shards it reported.
+RegisterListener = Callable[[Node, list[RunningShard]], None]
 
 
 class _Conn:
@@ -216,6 +218,7 @@ class AgentService:
         self._conns: dict[str, _Conn] = {}
         self._ids = itertools.count(1)
         self._listeners: list[ShardListener] = []
+        self._register_listeners: list[RegisterListener] = []
         self._timer: asyncio.Task | None = None
 
     # -- wiring ---------------------------------------------------------------
@@ -242,6 +245,11 @@ class AgentService:
         """Call ``listener`` on every shard status change (the reconciler's hook).
         A listener that raises is logged and does not stop the others."""
         self._listeners.append(listener)
+
+    def on_register(self, listener: RegisterListener) -> None:
+        """Call ``listener`` after each registration (adoption and letting go
+        happen there); one that raises is logged and does not stop the others."""
+        self._register_listeners.append(listener)
 
     # -- reading --------------------------------------------------------------
 
@@ -531,6 +539,11 @@ class AgentService:
         if not was_ready and state_before == NodeState.READY:
             log.info("node %s is ready; it can take new work", reg.node_id)
         self._log_gains(node, before_engines, before_mem)
+        for fn in self._register_listeners:
+            try:
+                fn(node, node.registered_shards)
+            except Exception:
+                log.exception("a registration listener failed on node %s", node.node_id)
 
     def _apply_heartbeat(self, node: Node, hb: Heartbeat) -> None:
         before_engines = node.ready_engines()

@@ -91,6 +91,7 @@ class Claims:
 
     gpus: frozenset[int] = frozenset()
     memory_gb: float = 0.0
+    replicas: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class NodeView:
     gpus: tuple[GPUView, ...] = ()
     memory_total_gb: float | None = None
     memory_claimed_gb: float = 0.0
+    replicas: int = 0  # replicas already here, so CPU replicas spread even without declared memory
     disk_free_gb: float | None = None  # on the weights filesystem; None: unknown or shared
     weights: frozenset[str] = frozenset()  # paths or sources of weights already here
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -137,7 +139,8 @@ class NodeView:
         taken = set(gpus)
         new_gpus = tuple(dataclasses.replace(g, free=False) if g.index in taken else g for g in self.gpus)
         return dataclasses.replace(
-            self, gpus=new_gpus, memory_claimed_gb=self.memory_claimed_gb + (memory_gb or 0.0)
+            self, gpus=new_gpus, memory_claimed_gb=self.memory_claimed_gb + (memory_gb or 0.0),
+            replicas=self.replicas + 1,
         )
 
 
@@ -227,6 +230,7 @@ def node_view(
         gpus=tuple(gpus),
         memory_total_gb=total_gb,
         memory_claimed_gb=claims.memory_gb,
+        replicas=claims.replicas,
         disk_free_gb=disk_free,
         weights=weights,
         labels=dict(node.labels or {}),
@@ -399,7 +403,7 @@ def _rank(v: NodeView, r: PlacementRequest) -> tuple:
         return (holds, v.free_gpus - r.tp, v.sort_key)
     # CPU replicas spread: nothing stops two sharing a machine's cores.
     free = v.memory_free_gb
-    return (holds, -(free if free is not None else -1.0), v.sort_key)
+    return (holds, v.replicas, -(free if free is not None else -1.0), v.sort_key)
 
 
 def _choose_gpus(v: NodeView, r: PlacementRequest, adapters: Sequence[str] = ()) -> tuple[int, ...]:
@@ -597,6 +601,9 @@ def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: st
                 f"({theirs} free GPUs left there, {mine} here)"
             )
     else:
+        if v.replicas != lead.replicas:
+            return (f"{v.node_id} fits, but {lead.node_id} runs fewer replicas "
+                    f"({lead.replicas} there, {v.replicas} here)")
         mine_m, theirs_m = v.memory_free_gb, lead.memory_free_gb
         if mine_m != theirs_m:
             here = f"{_n(mine_m)} GB" if mine_m is not None else "unknown"

@@ -165,7 +165,7 @@ class EndpointSet:
         self.scrape_interval = scrape_interval
         self.stale_after = stale_after
         self._connect_timeout = connect_timeout
-        self._tasks: list[asyncio.Task] = []
+        self._watchers: dict[Endpoint, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
 
     def choose(self, model: str, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
@@ -189,6 +189,30 @@ class EndpointSet:
             best.trial_inflight = True
         return best
 
+    def add(self, ep: Endpoint) -> None:
+        """Publish an endpoint (a replica the control plane saw become ready); it is
+        watched like a configured one from now on."""
+        if ep in self.endpoints:
+            return
+        self.endpoints.append(ep)
+        self.by_model.setdefault(ep.model, []).append(ep)
+        if self._session is not None:
+            self._watchers[ep] = asyncio.create_task(self._watch(ep), name=f"scrape {ep.url}")
+
+    def remove(self, ep: Endpoint) -> None:
+        """Stop routing new requests to ``ep``; requests already there finish."""
+        if ep not in self.endpoints:
+            return
+        self.endpoints.remove(ep)
+        peers = self.by_model.get(ep.model, [])
+        if ep in peers:
+            peers.remove(ep)
+        if not peers:
+            self.by_model.pop(ep.model, None)
+        task = self._watchers.pop(ep, None)
+        if task is not None:
+            task.cancel()
+
     def any_ready(self) -> bool:
         now = time.monotonic()
         return any(ep.available(now) for ep in self.endpoints)
@@ -202,13 +226,14 @@ class EndpointSet:
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         # One probe round before serving, so /ready is right from the first request.
         await asyncio.gather(*(self._probe(ep) for ep in self.endpoints))
-        self._tasks = [asyncio.create_task(self._watch(ep), name=f"scrape {ep.url}") for ep in self.endpoints]
+        self._watchers = {ep: asyncio.create_task(self._watch(ep), name=f"scrape {ep.url}") for ep in self.endpoints}
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._watchers.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watchers = {}
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -12,13 +12,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from llmgw.config.server import ServerConfig
+from llmgw.config.server import ModelConfig, ServerConfig
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
@@ -47,6 +47,15 @@ class ServedModel:
     aliases: tuple[str, ...]
     description: str | None
     max_output: int | None
+    managed: bool = False  # run by the control plane: it may have to be loaded first
+
+
+class Demand(Protocol):
+    """The control plane's side of a request for a model it runs."""
+
+    def touch(self, model: str) -> None: ...
+
+    async def wait_ready(self, model: str) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +99,26 @@ class Gateway:
         self.max_body = config.router.max_body_bytes
         self.retries = config.router.retries
         self.models: dict[str, ServedModel] = {}
-        for m in config.models:
-            served = ServedModel(m.name, tuple(m.aliases), m.description, m.max_output)
-            for name in (m.name, *m.aliases):
-                self.models[name] = served
-        self._models_body = self._render_models()
+        self.demand: Demand | None = None
+        self.set_models(config.models)
         t = config.timeouts
         self._timeout = aiohttp.ClientTimeout(total=t.generation, sock_connect=t.connect)
         self._session: aiohttp.ClientSession | None = None
 
+    def set_models(self, models: Sequence[ModelConfig]) -> None:
+        """The models served: server.yaml's, or the control plane's catalog after each change."""
+        table: dict[str, ServedModel] = {}
+        for m in models:
+            served = ServedModel(m.name, tuple(m.aliases), m.description, m.max_output, m.managed)
+            for name in (m.name, *m.aliases):
+                table[name] = served
+        self._model_configs = list(models)
+        self.models = table
+        self._models_body = self._render_models()
+
     def _render_models(self) -> bytes:
         data = []
-        for m in self.config.models:
+        for m in self._model_configs:
             for name in (m.name, *m.aliases):
                 entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
                 if name != m.name:
@@ -229,8 +246,19 @@ class Gateway:
         last_error = "no endpoint of this model is ready"
         last_status = 503
         attempts = 1 + self.retries
+        demand = self.demand if served.managed else None
+        if demand is not None:
+            demand.touch(served.name)
         for attempt in range(attempts):
             ep = self.endpoints.choose(served.name, tried)
+            if ep is None and not tried and demand is not None:
+                # An on-demand model loads now: the client waits for it rather than
+                # getting an error it would have to retry.
+                problem = await demand.wait_ready(served.name)
+                if problem is not None:
+                    return self._finish_error(route, principal, served, asked, None, stream, t0, upstream_time,
+                                              503, problem, "model_not_ready")
+                ep = self.endpoints.choose(served.name, tried)
             if ep is None and tried:
                 # Every endpoint has been tried once; one that is still in (its breaker
                 # closed) may have failed only on a stale pooled connection.
