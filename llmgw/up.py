@@ -1,21 +1,32 @@
-"""`llmgw up`: an engine, the gateway and a key on one machine, without root.
+"""`llmgw up`: the whole system on one machine, without root.
 
-It finds (or builds) llama-server, finds a model (the one given, the starter
+A control plane and gateway run in this process; a node agent runs beside it
+as a process of its own and connects over mutual TLS, with certificates from
+a private authority kept under the data directory. The agent installs
+llama.cpp's `llama-server` (the release archive, or a build from source when
+releases cannot be reached) and serves the model: the one given, the starter
 model downloaded once, or the tiny test model when the download cannot be
-made), starts the engine and the gateway, creates a key and says how to use
-it. Ctrl-C stops everything it started.
+made. Then a key is created and how to use it is printed. Ctrl-C stops
+everything it started, engines included.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import io
 import logging
 import os
-import shutil
+import signal
 import socket
 import subprocess
+import sys
+import tarfile
+import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +34,11 @@ import httpx
 import yaml
 
 from llmgw.agent.provision import llamacpp_source
-from llmgw.server.app import Server, serve_until_stopped
+from llmgw.config.server import DEFAULT_LLAMACPP
+from llmgw.pki import (CA_CERT, CA_KEY, PKIError, common_name, init_ca, issue_client, issue_server, load_ca,
+                       load_cert, load_pair, san_names, verify_issued_by)
+from llmgw.protocol import ProvisionState
+from llmgw.server.app import Server
 from llmgw.testing.tiny_model import tiny_model_path
 
 log = logging.getLogger("llmgw.up")
@@ -105,76 +120,366 @@ def download_starter(progress: Callable[[int, int | None], None], say: Callable[
     return target
 
 
-class Engine:
-    """A llama-server process that belongs to this `up` and stops with it."""
+# ---- certificates ------------------------------------------------------------
 
-    def __init__(self, binary: Path, model: Choice, port: int, log_path: Path, ctx_size: int, parallel: int) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.cmd = [
-            str(binary), "--model", str(model.path), "--host", "127.0.0.1", "--port", str(port),
-            "--ctx-size", str(ctx_size), "--parallel", str(parallel), "--jinja", "--metrics",
-            "--alias", model.name,
-        ]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "ab")
-        # Its own process group, so a Ctrl-C in the terminal reaches us, and we stop it in order.
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise UpError(f"llama-server exited with status {self.proc.returncode} while loading; "
-                              f"its last lines ({self.log_path}):\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise UpError(f"llama-server did not become ready within {timeout:.0f}s; see {self.log_path}")
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log.close()
+NODE_ID = "local"
+SERVER_NAMES = ("127.0.0.1", "localhost")
+_MIN_LEFT = timedelta(days=7)  # a certificate closer to its end than this is issued again
 
 
-def write_config(workdir: Path, model: Choice, engine: Engine, port: int, admin_port: int, host: str) -> Path:
+@dataclass(frozen=True)
+class Pki:
+    """The private authority of this one machine and the two certificates `up` needs."""
+
+    dir: Path
+    node_id: str = NODE_ID
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / CA_CERT
+
+    @property
+    def server(self) -> Path:
+        return self.dir / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.dir / "server-key.pem"
+
+    @property
+    def client(self) -> Path:
+        return self.dir / f"{self.node_id}.pem"
+
+    @property
+    def client_key(self) -> Path:
+        return self.dir / f"{self.node_id}-key.pem"
+
+
+def _fresh(cert_path: Path) -> bool:
+    return load_cert(cert_path).not_valid_after_utc - datetime.now(timezone.utc) > _MIN_LEFT
+
+
+def _leaf_ok(pki: Pki, cert: Path, key: Path, names_ok: Callable[[object], bool]) -> bool:
+    """Present, signed by this authority, with its own key, not near its end, naming what it must."""
+    try:
+        verify_issued_by(pki.ca, cert)
+        load_pair(cert, key)
+        return _fresh(cert) and names_ok(load_cert(cert))
+    except PKIError:
+        return False
+
+
+def ensure_pki(workdir: Path, node_id: str = NODE_ID) -> tuple[Pki, list[str]]:
+    """The authority and certificates under ``workdir``/pki: reused when valid, made otherwise.
+
+    Returns them and what was (re)made, in words (empty: everything reused).
+    """
+    pki = Pki(workdir / "pki", node_id)
+    pki.dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(pki.dir, 0o700)
+    made: list[str] = []
+    try:
+        load_ca(pki.dir)
+        ca_ok = _fresh(pki.ca)
+    except PKIError:
+        ca_ok = False
+    if not ca_ok:
+        init_ca(pki.dir, name="llmgw up (this machine only)", force=True)
+        made.append("certificate authority")
+    if not _leaf_ok(pki, pki.server, pki.server_key, lambda c: set(SERVER_NAMES) <= set(san_names(c))):
+        issue_server(pki.dir, pki.dir, list(SERVER_NAMES))
+        made.append("control plane certificate")
+    if not _leaf_ok(pki, pki.client, pki.client_key, lambda c: common_name(c) == node_id):
+        issue_client(pki.dir, pki.dir, node_id)
+        made.append(f"agent certificate ({node_id})")
+    for key in (pki.dir / CA_KEY, pki.server_key, pki.client_key):
+        os.chmod(key, 0o600)  # whoever copied them in, they stay private
+    return pki, made
+
+
+# ---- configuration -------------------------------------------------------------
+
+
+def _write_yaml(path: Path, data: dict) -> Path:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("# Written by `llmgw up`; rewritten on each run.\n" + yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def write_server_config(workdir: Path, model: Choice, pki: Pki, *, port: int, admin_port: int, agent_port: int,
+                        host: str, ctx_size: int, parallel: int, release_url: str | None = None,
+                        llamacpp: str = DEFAULT_LLAMACPP) -> Path:
+    """server.yaml: the gateway, the control plane with the agent listener on loopback, the model in its catalog."""
     cfg = {
         "listen": f"{host}:{port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
         "metrics_listen": None,
+        "agent_listen": f"127.0.0.1:{agent_port}",
+        "agent_tls": {"ca": str(pki.ca), "cert": str(pki.server), "key": str(pki.server_key)},
+        # One node a few centimetres away: react within a second, retry a failed start soon.
+        "control": {"enabled": True, "interval": "1s", "base_backoff": "5s", "max_backoff": "60s"},
+        "engines": {"llamacpp": llamacpp, "release_url": release_url},
         "auth": {"enabled": True, "store": str(workdir / "llmgw.db")},
         "models": [{
             "name": model.name,
-            "description": "Random-weight test model: its replies are noise" if model.noise else f"{model.path.name}, served by llama.cpp",
-            "endpoints": [{"url": engine.url, "engine": "llamacpp"}],
+            "description": ("Random-weight test model: its replies are noise" if model.noise
+                            else f"{model.path.name}, served by llama.cpp"),
+            # A path is never fetched: the node, this machine, loads it where it is.
+            "source": str(model.path.resolve()),
+            "scaling": {"min": 1},
+            "profiles": [{"engine": "llamacpp",
+                          "args": ["--ctx-size", str(ctx_size), "--parallel", str(parallel)]}],
         }],
     }
-    path = workdir / "server.yaml"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("# Written by `llmgw up`; rewritten on each run.\n" + yaml.safe_dump(cfg, sort_keys=False))
-    os.replace(tmp, path)
-    return path
+    return _write_yaml(workdir / "server.yaml", cfg)
+
+
+def write_agent_config(workdir: Path, pki: Pki, agent_port: int) -> Path:
+    """agent.yaml: dial the control plane on loopback; everything it keeps lives under ``workdir``."""
+    cfg = {
+        "server": f"127.0.0.1:{agent_port}",
+        "node_id": pki.node_id,
+        "tls": {"ca": str(pki.ca), "cert": str(pki.client), "key": str(pki.client_key)},
+        "weights_cache": str(workdir / "weights"),
+        "engines_dir": str(workdir / "engines"),
+        "heartbeat_interval": "2s",
+        "reconnect_base": "300ms",
+        "reconnect_max": "2s",
+        "supervisor": {"work_dir": str(workdir / "agent"), "stop_timeout": "15s", "stop_engines_on_exit": True},
+    }
+    return _write_yaml(workdir / "agent.yaml", cfg)
+
+
+def agent_command(config_path: Path) -> list[str]:
+    """How to run this llmgw's own agent: the one-file build is its own executable."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable, "agent", "--config", str(config_path)]
+    return [sys.executable, "-m", "llmgw.cli.main", "agent", "--config", str(config_path)]
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class AgentProcess:
+    """The local agent, a process of its own; it stops the engines it started when it stops."""
+
+    def __init__(self, config_path: Path, log_path: Path) -> None:
+        self.cmd = agent_command(config_path)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log_file:
+            # Its own session: a Ctrl-C reaches `up` alone, which stops the agent in order.
+            self.proc = subprocess.Popen(self.cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 20) -> str:
+        return tail(self.log_path, lines)
+
+    def stop(self, timeout: float = 40.0) -> None:
+        """SIGTERM (the agent then stops its engines), SIGKILL to its group when it does not end in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the agent did not stop within %.0fs; killing it", timeout)
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is not running; only its parent (the agent, now gone) would reap it.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def kill_leftovers(pids: set[int], timeout: float = 10.0) -> list[int]:
+    """The last guard: engines the agent should have stopped and did not. Returns those it had to stop."""
+    left = [p for p in pids if _alive(p)]
+    for pid in left:
+        try:
+            os.killpg(pid, signal.SIGTERM)  # the supervisor gives each engine its own process group
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return left
+
+
+class LocalRelease:
+    """A given llama-server offered to the agent as llama.cpp's release, from loopback.
+
+    The agent then installs it the way it installs any release (checksum,
+    unpack, prove it runs, record it) under its engines directory.
+    """
+
+    def __init__(self, binary: Path, tag: str = DEFAULT_LLAMACPP) -> None:
+        self.tag = tag
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+            tf.add(binary, arcname=f"llama-{tag}/llama-server")
+            for lib in sorted(binary.parent.glob("lib*.so*")):  # a release's shared libraries travel with it
+                tf.add(lib, arcname=f"llama-{tag}/{lib.name}")
+        self.archive = buf.getvalue()
+        empty = io.BytesIO()
+        with tarfile.open(fileobj=empty, mode="w:gz") as tf:
+            note = b"llmgw up: the given llama-server needs nothing more\n"
+            info = tarfile.TarInfo("README-llmgw-up.txt")
+            info.size = len(note)
+            tf.addfile(info, io.BytesIO(note))
+        self.extra = empty.getvalue()
+        self._srv: ThreadingHTTPServer | None = None
+
+    def body(self, path: str) -> bytes | None:
+        parts = path.split("?", 1)[0].strip("/").split("/")
+        if len(parts) != 2 or parts[0] != self.tag:
+            return None
+        name = parts[1]
+        sidecar = name.endswith(".sha256")
+        asset = name[: -len(".sha256")] if sidecar else name
+        if not asset.endswith(".tar.gz"):
+            return None
+        # The CUDA build comes as two archives; the second (the CUDA runtime) is not needed here.
+        data = self.extra if asset.startswith("cudart-") else self.archive
+        return f"{hashlib.sha256(data).hexdigest()}  {asset}\n".encode() if sidecar else data
+
+    def start(self) -> str:
+        release = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, send_body: bool) -> None:
+                body = release.body(self.path)
+                self.send_response(404 if body is None else 200)
+                self.send_header("Content-Length", str(0 if body is None else len(body)))
+                self.end_headers()
+                if body is not None and send_body:
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                self._answer(True)
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                self._answer(False)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._srv.serve_forever, daemon=True, name="llama-server release").start()
+        return f"http://127.0.0.1:{self._srv.server_address[1]}"
+
+    def stop(self) -> None:
+        if self._srv is not None:
+            self._srv.shutdown()
+            self._srv.server_close()
+            self._srv = None
+
+
+# ---- watching the control plane ------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """What `up` is waiting for, in words, and the reason it cannot go on (None while it can)."""
+
+    words: str
+    failure: str | None = None
+
+
+def describe(node, rows: list[dict], node_id: str = NODE_ID) -> Progress:
+    """``node``: the agent service's record of the local node (None before it registers);
+    ``rows``: the reconciler's replica rows for the model."""
+    if node is None or not getattr(node, "connected", False):
+        return Progress("waiting for the local agent to connect over mutual TLS")
+    p = (node.provision or {}).get("llamacpp")
+    if p is None or p.state != ProvisionState.READY:
+        if p is None:
+            return Progress("the agent is looking at llama.cpp")
+        if p.state == ProvisionState.FAILED:
+            return Progress("installing llama.cpp failed", f"installing llama.cpp failed: {p.detail or 'no reason given'}")
+        if p.state in (ProvisionState.UNSUPPORTED, ProvisionState.SKIPPED):
+            return Progress("llama.cpp cannot be installed", f"llama.cpp cannot be installed here: {p.detail or p.state.value}")
+        words = f"installing llama.cpp: {p.detail or p.state.value}"
+        if p.progress is not None and p.progress.percent is not None:
+            words += f" ({p.progress.percent:.0f}%)"
+        return Progress(words)
+    if not rows:
+        return Progress("llama.cpp is ready; placing the model on this machine")
+    failed = [r for r in rows if r["state"] == "failed"]
+    if failed and not any(r["state"] in ("starting", "ready") for r in rows):
+        return Progress("the engine failed", f"the engine failed to start: {failed[-1].get('reason') or 'no reason given'}")
+    row = next((r for r in rows if r["state"] in ("starting", "ready")), rows[-1])
+    for shard in row.get("shards") or ():
+        fetch = shard.get("fetch")
+        if fetch and shard.get("state") == "pending":
+            pct = fetch.get("percent")
+            return Progress(f"fetching the weights{'' if pct is None else f' {pct:.0f}%'}")
+    if row["state"] == "ready":
+        return Progress("llama-server is up; waiting for its health check")
+    return Progress("starting llama-server with the model")
+
+
+def engine_pids(rows: list[dict]) -> set[int]:
+    return {s["pid"] for r in rows for s in r.get("shards") or () if s.get("pid")}
+
+
+async def wait_until_served(server: Server, model: str, agent: AgentProcess, status: Callable[[str], None],
+                            seen_pids: set[int], interval: float = 0.25) -> None:
+    """Until the gateway has a healthy endpoint for ``model``; UpError with the reason when it cannot get one."""
+    last = None
+    while True:
+        rc = agent.exited()
+        if rc is not None:
+            raise UpError(f"the agent exited with status {rc}; its last lines ({agent.log_path}):\n{agent.tail()}")
+        rows = server.reconciler.replica_rows(model) if server.reconciler is not None else []
+        seen_pids |= engine_pids(rows)
+        if server.endpoints.model_ready(model):
+            return
+        node = server.agents.get(NODE_ID) if server.agents is not None else None
+        p = describe(node, rows)
+        if p.failure is not None:
+            raise UpError(f"{p.failure}\nthe agent's last lines ({agent.log_path}):\n{agent.tail()}")
+        if p.words != last:
+            last = p.words
+            status(p.words)
+        await asyncio.sleep(interval)
 
 
 def instructions(base: str, key: str, model: str, config_path: Path) -> str:
@@ -202,17 +507,54 @@ Press Ctrl-C to stop.
 """
 
 
-async def run_gateway(config_path: Path, key_name: str, on_ready: Callable[[str], None]) -> None:
-    """Start the gateway in this process, create the key, and serve until a signal."""
+async def run_system(config_path: Path, agent: AgentProcess, model: str, key_name: str,
+                     status: Callable[[str], None], on_ready: Callable[[str], None]) -> None:
+    """The control plane and gateway in this process, the agent beside it; serve until a signal.
+
+    Stops in order: the agent first (it stops its engines), then any engine
+    still running (the last guard), then the control plane.
+    """
     from llmgw.config import load_server_config
 
-    async def make_key(server: Server) -> None:
+    server = Server(load_server_config(config_path))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    pids: set[int] = set()
+    waiter = asyncio.create_task(stop.wait())
+    watch: asyncio.Task | None = None
+    try:
+        await server.start()
+        agent.start()
+        watch = asyncio.create_task(wait_until_served(server, model, agent, status, pids))
+        await asyncio.wait({watch, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not watch.done():
+            return  # stopped while loading
+        watch.result()  # the reason it cannot go on, as UpError
         assert server.store is not None and server.keys is not None
         secret, _ = await server.store.create_key(key_name)
         await server.keys.load()
         on_ready(secret)
-
-    await serve_until_stopped(load_server_config(config_path), make_key)
+        while not stop.is_set():
+            await asyncio.wait({waiter}, timeout=1.0)
+            if server.reconciler is not None:
+                pids |= engine_pids(server.reconciler.replica_rows(model))
+            rc = agent.exited()
+            if rc is not None and not stop.is_set():
+                raise UpError(f"the agent exited with status {rc}; its last lines ({agent.log_path}):\n{agent.tail()}")
+    finally:
+        for t in (watch, waiter):
+            if t is not None and not t.done():
+                t.cancel()
+        status("stopping the agent and its engines")
+        await asyncio.to_thread(agent.stop)
+        left = await asyncio.to_thread(kill_leftovers, pids)
+        if left:
+            log.warning("engine(s) %s outlived the agent and were stopped", ", ".join(map(str, left)))
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 def choose_model(model: str | None, name: str | None, say: Callable[[str], None],
@@ -233,22 +575,11 @@ def choose_model(model: str | None, name: str | None, say: Callable[[str], None]
     return Choice(tiny_model_path(), name or TINY_NAME, noise=True)
 
 
-def find_or_build_llama_server(explicit: str | None, say: Callable[[str], None],
-                               progress: Callable[[str, float | None], None]) -> Path:
-    if explicit:
-        p = Path(explicit).expanduser()
-        if not (p.is_file() and os.access(p, os.X_OK)):
-            raise UpError(f"--llama-server {explicit}: not an executable file")
-        return p
-    found = llamacpp_source.find_llama_server()
-    if found is not None:
-        return found
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            raise UpError(f"llama-server is not installed and cannot be built here: {tool} is missing "
-                          "(apt-get install cmake g++), or pass --llama-server PATH")
-    say("llama-server was not found; building it from source once (a few minutes on two cores)")
-    return llamacpp_source.build_llama_server(progress=progress)
+def check_llama_server(explicit: str) -> Path:
+    p = Path(explicit).expanduser()
+    if not (p.is_file() and os.access(p, os.X_OK)):
+        raise UpError(f"--llama-server {explicit}: not an executable file")
+    return p.resolve()
 
 
 def started_at() -> str:

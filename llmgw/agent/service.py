@@ -129,11 +129,15 @@ class Agent:
             for t in [*self._starting.values(), *self._tasks]:
                 t.cancel()
             await asyncio.gather(converge, *self._starting.values(), *self._tasks, return_exceptions=True)
-            # close(), not stop_all(): engines keep serving while the agent restarts.
+            # Engines keep serving while the agent restarts (close() leaves them running),
+            # unless the agent was told they end with it (`llmgw up` does).
+            if cfg.supervisor.stop_engines_on_exit:
+                await self.supervisor.stop_all()
             await self.supervisor.close()
             await self.weights.aclose()
             await asyncio.to_thread(self.discovery.close)
-            log.info("agent stopped; engines left running: %d", len(self.supervisor.statuses()))
+            log.info("agent stopped; engines left running: %d",
+                     sum(1 for s in self.supervisor.statuses() if s.state.running))
 
     # -- the session --------------------------------------------------------
 

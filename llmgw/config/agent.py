@@ -90,6 +90,11 @@ class SupervisorConfig(_Block):
     stop_timeout: Duration = Field(default=60.0, description="Grace after SIGTERM before SIGKILL.")
     health_interval: Duration = Field(default=2.0, description="How often engines are health-checked.")
     rendezvous_timeout: Duration = Field(default=600.0, description="How long a worker waits for its leader's port.")
+    stop_engines_on_exit: bool = Field(
+        default=False,
+        description="Stop every engine when the agent stops (`llmgw up` sets it); by default engines keep serving "
+        "and a restarted agent adopts them.",
+    )
 
 
 class AgentConfig(_Block):

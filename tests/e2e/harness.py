@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -146,3 +150,51 @@ class Gateway(Proc):
             assert time.monotonic() < deadline, "a new key was not accepted within three seconds"
             time.sleep(0.05)
         return secret
+
+
+def serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
+    """A plain HTTP file server on a free port (release archives, model files); returns
+    its base URL and the function that stops it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = files.get(self.path)
+            if body is None:
+                self.send_response(404)
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_HEAD(self):  # noqa: N802
+            body = files.get(self.path)
+            self.send_response(404 if body is None else 200)
+            if body is not None:
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv.shutdown
+
+
+def release_archive(binary: Path, tag: str) -> bytes:
+    """llama-server packed the way llama.cpp's release archives hold it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(binary, arcname=f"llama-{tag}/llama-server")
+    return buf.getvalue()
+
+
+def release_files(binary: Path, tag: str) -> dict[str, bytes]:
+    """The release server's paths for ``tag``'s CPU build: the archive and its .sha256."""
+    asset = f"llama-{tag}-bin-ubuntu-x64.tar.gz"
+    archive = release_archive(binary, tag)
+    digest = hashlib.sha256(archive).hexdigest()
+    return {f"/{tag}/{asset}": archive, f"/{tag}/{asset}.sha256": f"{digest}  {asset}\n".encode()}

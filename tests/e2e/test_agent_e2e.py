@@ -26,7 +26,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from harness import Proc, free_port, llmgw_cmd
+from harness import Proc, free_port, llmgw_cmd, release_archive, serve_files
 from llmgw.agent.client import STREAM_PATH
 from llmgw.protocol import (Ack, DrainShard, EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
                             decode, encode)
@@ -111,36 +111,6 @@ class StandIn:
         return None
 
 
-def _serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = files.get(self.path)
-            if body is None:
-                self.send_response(404)
-                self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return f"http://127.0.0.1:{srv.server_address[1]}", srv.shutdown
-
-
-def _archive(binary: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        tf.add(binary, arcname=f"llama-{TAG}/llama-server")
-    return buf.getvalue()
-
-
 def _wait(cond, timeout: float, what: str, agent: Proc) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -152,9 +122,9 @@ def _wait(cond, timeout: float, what: str, agent: Proc) -> None:
 
 
 def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin, tiny_model, tmp_path):
-    archive = _archive(llama_server_bin)
+    archive = release_archive(llama_server_bin, TAG)
     digest = hashlib.sha256(archive).hexdigest()
-    base, stop_files = _serve_files({
+    base, stop_files = serve_files({
         f"/{TAG}/{ASSET}": archive,
         f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode(),
         "/models/tiny.gguf": tiny_model.read_bytes(),
@@ -243,7 +213,7 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
 
 
 def _tampered(binary: Path) -> bytes:
-    good = bytearray(_archive(binary))
+    good = bytearray(release_archive(binary, TAG))
     good[len(good) // 2] ^= 0xFF
     return bytes(good)
 
@@ -261,7 +231,7 @@ def _escaping(binary: Path) -> bytes:
 
 @pytest.mark.parametrize("kind", ["tampered", "wrong-checksum", "escaping-path"])
 def test_bad_archives_are_refused_with_the_reason_and_nothing_installed(kind, llama_server_bin, tmp_path):
-    good = _archive(llama_server_bin)
+    good = release_archive(llama_server_bin, TAG)
     if kind == "tampered":
         body, digest = _tampered(llama_server_bin), hashlib.sha256(good).hexdigest()
         words = "sha256"
@@ -272,7 +242,7 @@ def test_bad_archives_are_refused_with_the_reason_and_nothing_installed(kind, ll
         body = _escaping(llama_server_bin)
         digest = hashlib.sha256(body).hexdigest()
         words = ".."
-    base, stop_files = _serve_files({f"/{TAG}/{ASSET}": body, f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode()})
+    base, stop_files = serve_files({f"/{TAG}/{ASSET}": body, f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode()})
     cp = StandIn(base, base + "/none", free_port())
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(yaml.safe_dump({

@@ -42,7 +42,8 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
             "profiles": [{"engine": "llamacpp", "min_memory_gb": 100000}]}
     gw = Gateway(tmp_path, models=[huge], agent_listen=f"127.0.0.1:{agent_port}",
                  agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
-                 control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"}).wait_up(ready=False)
+                 control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"},
+                 engines={"llamacpp": None}).wait_up(ready=False)
     good = _agent(tmp_path, "node-a", "node-a", agent_port, pki)
     # node-c presents node-b's certificate: the control plane refuses it, naming both.
     impostor = _agent(tmp_path, "node-c", "node-b", agent_port, pki)

@@ -457,3 +457,16 @@ async def test_many_models_over_a_large_fleet_place_deterministically(clock):
     # node_selector is honoured.
     for i in range(0, 40, 10):
         assert all(fleet.svc.get(n).labels.get("zone") == "us" for n, _ in placed[f"m{i}"])
+
+
+async def test_after_a_start_nothing_is_placed_until_agents_had_time_to_reconnect(clock):
+    fleet = Fleet()
+    fleet.add("n1")
+    rec = make(fleet, [model("m")], clock, unreachable_after="15s", lost_after="60s")
+    await rec.start()
+    await rec.stop()
+    await rec.tick()
+    assert not fleet.starts() and "m" not in rec.problems
+    clock.now += 15
+    await rec.tick()
+    assert len(fleet.starts()) == 1

@@ -219,6 +219,10 @@ class Reconciler:
         self._tasks: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
         self._last_tick = 0.0
+        # After a start, agents take a moment to reconnect and describe what they
+        # run; placing before then would start engines the fleet already has.
+        self.settle = c.unreachable_after
+        self._started_at: float | None = None
         agents.on_shard_change(self._on_shard)
         agents.on_register(self._on_register)
 
@@ -227,6 +231,8 @@ class Reconciler:
     async def start(self) -> None:
         if self.store is not None:
             self.marks = await self.store.node_marks_list()
+        self._started_at = self.clock()
+        log.info("waiting %gs for agents to reconnect before placing anything", self.settle)
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="reconciler")
 
@@ -675,6 +681,8 @@ class Reconciler:
                               f"(startup_timeout; still {r.state}{fetch})", count=True)
 
         starts: list[_StartPlan] = []
+        if self._started_at is not None and now - self._started_at < self.settle:
+            return starts
         views: list[NodeView] | None = None
         pos: dict[str, int] = {}
 
