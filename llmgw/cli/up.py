@@ -16,38 +16,32 @@ from llmgw.cli.common import fail
 def up(
     model: str = typer.Option(None, "--model", "-m", help="A .gguf file to serve; default: the starter model (Qwen2.5 0.5B Instruct), downloaded once."),
     name: str = typer.Option(None, "--name", help="The model name clients send; default from the file."),
-    llama_server: str = typer.Option(None, "--llama-server", help="Path of llama-server; default: PATH, then the cache, else it is built from source."),
+    llama_server: str = typer.Option(None, "--llama-server", help="Use this llama-server: the agent installs it instead of downloading llama.cpp's release."),
+    release_url: str = typer.Option(None, "--release-url", help="A mirror of llama.cpp's release archives (TAG/ASSET); default GitHub, and a build from source when it cannot be reached."),
     port: int = typer.Option(8080, "--port", "-p", help="Port of the OpenAI-compatible API."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address the API listens on; 0.0.0.0 for every interface."),
     admin_port: int = typer.Option(9090, "--admin-port", help="Port of the admin API and metrics (loopback)."),
-    workdir: Path = typer.Option(None, "--dir", help="Where the store, server.yaml and logs go; default ~/.local/share/llmgw/up."),
+    workdir: Path = typer.Option(None, "--dir", help="Where certificates, configuration, the store, engines and logs go; default ~/.local/share/llmgw/up."),
     ctx_size: int = typer.Option(8192, "--ctx-size", help="Context pool of the engine, shared by its parallel slots."),
     parallel: int = typer.Option(2, "--parallel", help="Requests the engine works on at once."),
     offline: bool = typer.Option(False, "--offline", help="Do not try to download the starter model; use the tiny test model."),
 ) -> None:
-    """Run everything on this machine, without root: a llama.cpp engine, the gateway in front of it and an API key. Ctrl-C stops it all."""
+    """Run the whole system on this machine, without root: a control plane and gateway, a node agent connected over
+    mutual TLS that installs llama.cpp and serves the model, and an API key. Ctrl-C stops it all, engines included."""
     from llmgw import up as upmod
+    from llmgw.pki import PKIError
     from llmgw.server.app import StartError, install_loop, setup_logging
 
     # soft_wrap: the printed commands must stay copy-pasteable on narrow terminals and in pipes.
-    say = Console(stderr=True, highlight=False, soft_wrap=True).print
-    wd = (workdir or upmod.default_dir()).expanduser()
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    say = err.print
+    wd = (workdir or upmod.default_dir()).expanduser().resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    engine = None
+    release = None
     try:
         upmod.check_port(host, port, "the API")
         upmod.check_port("127.0.0.1", admin_port, "the admin API")
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-            task = None
-
-            def build_progress(phase: str, pct: float | None) -> None:
-                nonlocal task
-                if task is None:
-                    task = bar.add_task(phase, total=100)
-                bar.update(task, description=f"building llama-server: {phase}", completed=pct or 0)
-
-            binary = upmod.find_or_build_llama_server(llama_server, say, build_progress)
+        binary = upmod.check_llama_server(llama_server) if llama_server else None
         with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                       console=Console(stderr=True), transient=True) as bar:
             dl = None
@@ -59,12 +53,22 @@ def up(
                 bar.update(dl, completed=done, total=total)
 
             choice = upmod.choose_model(model, name, say, download_progress, offline)
-        say(f"starting llama-server with {choice.path.name} …")
-        engine = upmod.Engine(binary, choice, upmod.free_port(), wd / "llama-server.log", ctx_size, parallel)
-        engine.start()
-        engine.wait_ready()
-        config_path = upmod.write_config(wd, choice, engine, port, admin_port, host)
+        pki, made = upmod.ensure_pki(wd)
+        say(f"certificates in {pki.dir}: " + (f"made the {', '.join(made)}" if made else "reused"))
+        if binary is not None:
+            release = upmod.LocalRelease(binary)
+            release_url = release.start()
+            say(f"the agent installs {binary} (offered as llama.cpp {release.tag} on {release_url})")
+        agent_port = upmod.free_port()
+        config_path = upmod.write_server_config(wd, choice, pki, port=port, admin_port=admin_port, agent_port=agent_port,
+                                                host=host, ctx_size=ctx_size, parallel=parallel, release_url=release_url)
+        agent_config = upmod.write_agent_config(wd, pki, agent_port)
+        agent = upmod.AgentProcess(agent_config, wd / "agent.log")
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        say(f"starting the control plane and the local agent (its log: {agent.log_path}); serving {choice.path.name} …")
+
+        def status(words: str) -> None:
+            say(f"  {words}")
 
         def ready(secret: str) -> None:
             print(upmod.instructions(base, secret, choice.name, config_path))
@@ -74,12 +78,12 @@ def up(
 
         setup_logging("warning")
         install_loop()
-        asyncio.run(upmod.run_gateway(config_path, f"llmgw up {upmod.started_at()}", ready))
+        asyncio.run(upmod.run_system(config_path, agent, choice.name, f"llmgw up {upmod.started_at()}", status, ready))
         say("stopped.")
-    except (upmod.UpError, StartError) as exc:
+    except (upmod.UpError, StartError, PKIError) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         say("stopped.")
     finally:
-        if engine is not None:
-            engine.stop()
+        if release is not None:
+            release.stop()
