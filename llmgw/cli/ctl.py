@@ -375,13 +375,26 @@ def models(
         typer.echo("the catalog is empty; add a model with llmgw ctl model add -f model.yaml")
         return
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("MODEL", "FROM", "SCALING", "PROFILES", "SOURCE"):
+    for col in ("MODEL", "FROM", "SCALING", "READY", "PROFILES", "SOURCE"):
         table.add_column(col, no_wrap=True)
+    notes: list[str] = []
     for m in data["models"]:
         profiles = ", ".join(p.get("name") or p.get("engine", "?") for p in m.get("profiles") or ()) or "static endpoints"
+        status = m.get("status") or {}
+        ready = "-"
+        if status.get("target") is not None:
+            ready = f"{(status.get('replicas') or {}).get('ready', 0)}/{status['target']}"
         table.add_row(m["name"], "server.yaml" if m.get("declared") else "added", _scaling_words(m) if m.get("scaling") else "-",
-                      profiles, m.get("source") or "-")
+                      ready, profiles, m.get("source") or "-")
+        backoff = status.get("backoff")
+        if backoff:
+            notes.append(f"{m['name']}: {backoff['failures']} failed start(s) in a row, next attempt in "
+                         f"{_duration(backoff['retry_in_s'])}; last: {backoff['last_failure']}")
+        if status.get("problem"):
+            notes.append(f"{m['name']}: {status['problem']}")
     Console(highlight=False, width=200).print(table)
+    for note in notes:
+        typer.echo(note)
 
 
 @app.command("logs")

@@ -276,3 +276,23 @@ def test_ctl_node_action_errors(admin):
     assert "answered 404: no node named ghost is known" in r.output
     r = run("ctl", "cordon", "gpu-1", "--admin", "http://127.0.0.1:1")
     assert r.exit_code == 1 and "cannot reach the control plane's admin API" in r.output
+
+
+def test_ctl_models_shows_ready_over_target_and_why_not(admin):
+    admin.routes[("GET", "/api/v1/models")] = (200, {"problems": [], "models": [
+        {"name": "qwen", "declared": True, "source": "hf:q/q/q.gguf", "scaling": {"min": 2, "max": 2, "state": "fixed"},
+         "profiles": [{"name": "llamacpp-cpu", "engine": "llamacpp"}],
+         "status": {"target": 2, "replicas": {"ready": 1, "starting": 1}, "problem": None,
+                    "backoff": {"failures": 2, "retry_in_s": 18.0, "last_failure": "node n1 refused it"}}},
+        {"name": "big", "declared": False, "source": "org/big", "scaling": {"min": 1, "max": 1, "state": "fixed"},
+         "profiles": [{"name": "vllm-h100-80g", "engine": "vllm"}],
+         "status": {"target": 1, "replicas": {}, "problem": "cannot place big:\n  n1 has no GPUs", "backoff": None}},
+        {"name": "ext", "declared": True, "endpoints": [{"url": "http://x:1", "engine": "openai"}], "profiles": []},
+    ]})
+    r = ctl(admin, "models")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["MODEL", "FROM", "SCALING", "READY", "PROFILES", "SOURCE"]
+    assert "1/2" in lines[1] and "0/1" in lines[2] and lines[3].split()[0] == "ext"
+    assert "qwen: 2 failed start(s) in a row, next attempt in 18s; last: node n1 refused it" in r.stdout
+    assert "big: cannot place big:\n  n1 has no GPUs" in r.stdout
