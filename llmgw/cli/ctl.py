@@ -438,3 +438,9 @@ def explain_placement(
         for n in p["nodes"]:
             mark = "chosen" if n["chosen"] else "not chosen"
             typer.echo(f"  {n['node']}: {mark}" + ("" if not n["reasons"] else ": " + "; ".join(n["reasons"])))
+
+
+# Registered last: it uses the helpers above.
+from llmgw.cli import ctl_mirror  # noqa: E402
+
+app.add_typer(ctl_mirror.app, name="mirror")

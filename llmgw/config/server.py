@@ -397,6 +397,35 @@ class AgentTLSConfig(_Block):
     key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
 
 
+class MirrorTLSConfig(_Block):
+    """The control plane's client certificate for a mirror that requires mutual TLS."""
+
+    ca: str = Field(description="The fleet's certificate authority (the mirror's certificate comes from it).")
+    cert: str = Field(description="A client certificate from that authority, e.g. issued for control-plane.")
+    key: str = Field(description="Its private key.")
+
+
+class MirrorConfig(_Block):
+    """The model mirror this control plane asks to fetch weights."""
+
+    api: str = Field(description="The mirror's management API, e.g. http://models.internal:8082.")
+    tls: MirrorTLSConfig | None = Field(default=None, description="Mutual TLS to the management API; null: plain HTTP.")
+    registry: str | None = Field(
+        default=None,
+        description="An internal Hugging Face mirror used for hf: sources instead of https://huggingface.co.",
+    )
+
+    @field_validator("api", "registry")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f'"{v}" is not an http(s) URL')
+            v = v.rstrip("/")
+        return v
+
+
 class ControlConfig(_Block):
     """The control plane: nodes connect and are driven from here."""
 
@@ -504,6 +533,7 @@ class ServerConfig(_Block):
     )
     control: ControlConfig = Field(default_factory=ControlConfig)
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
+    mirror: MirrorConfig | None = Field(default=None, description="The model mirror; null: none.")
     auth: AuthConfig = Field(default_factory=AuthConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)

@@ -18,10 +18,11 @@ from llmgw.config.server import ServerConfig
 from llmgw.config.types import ListenAddress
 from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.server.control.agents import AgentService
-from llmgw.server.control.catalog import Catalog
+from llmgw.server.control.catalog import Catalog, check_source
+from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.fleet_metrics import FleetCollector
 from llmgw.server.control.reconciler import Reconciler
-from llmgw.server.admin.api import AdminAPI, NotControlPlane, dumps
+from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
@@ -58,6 +59,7 @@ class Server:
         self.agents: AgentService | None = None
         self.catalog: Catalog | None = None
         self.reconciler: Reconciler | None = None
+        self.mirror: MirrorClient | None = None
         self._runners: list[web.AppRunner] = []
         self.started_at = time.time()
 
@@ -69,6 +71,11 @@ class Server:
             raise StartError(f"auth.store: {exc}") from exc
         self.keys = KeyCache(self.store)
         await self.keys.load()
+        if cfg.mirror is not None:
+            try:
+                self.mirror = MirrorClient(cfg.mirror)
+            except MirrorUnavailable as exc:
+                raise StartError(str(exc)) from None
         if cfg.control.enabled:
             self.catalog = Catalog(cfg.models, self.store)
             await self.catalog.load()
@@ -127,6 +134,14 @@ class Server:
         if self.store is not None:
             await self.store.close()
             self.store = None
+
+    async def source_check(self, source: str) -> str | None:
+        """Why a model's source cannot be served, or None; hf: sources are looked up in
+        mirror.registry when one is set."""
+        registry = self.config.mirror.registry if self.config.mirror and self.config.mirror.registry else None
+        if registry:
+            return await check_source(source, hf_endpoint=registry)
+        return await check_source(source)
 
     def models_changed(self) -> None:
         """The catalog changed: the gateway serves its models, the reconciler acts at once."""
@@ -243,6 +258,9 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
     """aiohttp's own refusals (unknown path, wrong method) in the same JSON shape as ours."""
     try:
         return await handler(request)
+    except NoMirror:
+        return error_response(404, "this control plane has no mirror; set mirror.api in server.yaml",
+                              "no_mirror")
     except NotControlPlane:
         return error_response(404, "this server is not a control plane; set control.enabled: true in server.yaml",
                               "not_a_control_plane")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import quote, urlsplit
 
 import orjson
 from aiohttp import web
@@ -15,8 +16,10 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.protocol import LogsReply, LogsRequest
 from llmgw.server.control.agents import AgentServiceError
-from llmgw.server.control.catalog import Catalog, CatalogError, check_source
+from llmgw.server.control.catalog import Catalog, CatalogError
 from llmgw.server.control.placement import explain, gpu_class_of, node_view
+from llmgw.server.control.mirror_client import (MirrorClient, MirrorRefused, MirrorUnavailable,
+                                               entry_from_version)
 from llmgw.server.control.reconciler import ControlError, Reconciler
 from llmgw.server.gateway.errors import error_response
 
@@ -26,6 +29,10 @@ if TYPE_CHECKING:
 
 class NotControlPlane(Exception):
     """An admin request that only a control plane can answer."""
+
+
+class NoMirror(Exception):
+    """A mirror request on a control plane with no mirror: configured."""
 
 
 def dumps(obj: object) -> str:
@@ -47,6 +54,11 @@ class AdminAPI:
         app.router.add_post("/api/v1/nodes/{node}/uncordon", self._api_node_uncordon)
         app.router.add_post("/api/v1/nodes/{node}/drain", self._api_node_drain)
         app.router.add_get("/api/v1/replicas", self._api_replicas)
+        app.router.add_get("/api/v1/mirror", self._api_mirror_list)
+        app.router.add_post("/api/v1/mirror/fetch", self._api_mirror_fetch)
+        app.router.add_get("/api/v1/mirror/{model}/{version}", self._api_mirror_status)
+        app.router.add_delete("/api/v1/mirror/{model}/{version}", self._api_mirror_remove)
+        app.router.add_post("/api/v1/mirror/{model}/{version}/serve", self._api_mirror_serve)
         app.router.add_get("/api/v1/models", self._api_models)
         app.router.add_post("/api/v1/models", self._api_model_add)
         app.router.add_delete("/api/v1/models/{name}", self._api_model_remove)
@@ -199,7 +211,7 @@ class AdminAPI:
             return error_response(400, f"the body is not valid JSON: {exc}", "invalid_json")
         if not isinstance(body, dict) or not isinstance(body.get("model"), dict):
             return error_response(400, 'the body should be {"model": {...}, "source_check": true}', "invalid_request")
-        check = check_source if body.get("source_check", True) else None
+        check = self.s.source_check if body.get("source_check", True) else None
         try:
             entry = await catalog.add(body["model"], source_check=check)
         except CatalogError as exc:
@@ -267,3 +279,109 @@ class AdminAPI:
             "auth_enabled": self.s.config.auth.enabled,
             "usage": {"pending": usage.pending, "written": usage.written, "dropped": usage.dropped} if usage else None,
         }, dumps=dumps)
+
+    # -- the mirror ----------------------------------------------------------------
+
+    def _need_mirror(self) -> MirrorClient:
+        if self.s.mirror is None:
+            raise NoMirror()
+        return self.s.mirror
+
+    async def _mirror(self, call) -> web.Response | dict:
+        try:
+            return await call
+        except MirrorRefused as exc:
+            return error_response(exc.status if exc.status in (400, 403, 404, 409) else 502, str(exc), "mirror_refused")
+        except MirrorUnavailable as exc:
+            return error_response(503, str(exc), "mirror_unavailable")
+
+    def _users_of(self, model: str, version: str) -> list[str]:
+        """Catalog models whose source lies in this mirror version, compared by path."""
+        if self.s.catalog is None:
+            return []
+        root = f"/{quote(model, safe='')}/{quote(version, safe='')}/"
+        out = []
+        for e in self.s.catalog.models():
+            src = e.model.source
+            if src and src.startswith(("http://", "https://")):
+                path = urlsplit(src).path
+                if path == root.rstrip("/") or path.startswith(root):
+                    out.append(e.name)
+        return out
+
+    async def _api_mirror_list(self, request: web.Request) -> web.Response:
+        got = await self._mirror(self._need_mirror().list())
+        if isinstance(got, web.Response):
+            return got
+        for v in got.get("models") or ():
+            if isinstance(v, dict) and v.get("model") and v.get("version"):
+                v["used_by"] = self._users_of(v["model"], v["version"])
+        return web.json_response(got, dumps=dumps)
+
+    async def _api_mirror_fetch(self, request: web.Request) -> web.Response:
+        mirror = self._need_mirror()
+        try:
+            body = orjson.loads(await request.read())
+            source, model, version = body["source"], body["model"], body["version"]
+            if not all(isinstance(x, str) and x for x in (source, model, version)):
+                raise TypeError
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return error_response(400, 'the body should be {"source": URL, "model": NAME, "version": VERSION} '
+                                  '(and optionally "as": FILE NAME, "anyway": true)', "invalid_request")
+        got = await self._mirror(mirror.fetch(source, model, version, as_name=body.get("as") or None,
+                                              anyway=bool(body.get("anyway"))))
+        if isinstance(got, web.Response):
+            return got
+        return web.json_response(got, status=202, dumps=dumps)
+
+    async def _api_mirror_status(self, request: web.Request) -> web.Response:
+        m, v = request.match_info["model"], request.match_info["version"]
+        got = await self._mirror(self._need_mirror().status(m, v))
+        if isinstance(got, web.Response):
+            return got
+        got["used_by"] = self._users_of(m, v)
+        return web.json_response(got, dumps=dumps)
+
+    async def _api_mirror_remove(self, request: web.Request) -> web.Response:
+        mirror = self._need_mirror()
+        m, v = request.match_info["model"], request.match_info["version"]
+        users = self._users_of(m, v)
+        if users and request.query.get("force") not in ("1", "true", "yes"):
+            return error_response(409, f"{', '.join(users)} still refer(s) to {m}/{v}; retire the catalog entry first "
+                                  "(llmgw ctl model remove), or pass --force", "in_use")
+        got = await self._mirror(mirror.remove(m, v))
+        if isinstance(got, web.Response):
+            return got
+        return web.json_response({"removed": f"{m}/{v}"}, dumps=dumps)
+
+    async def _api_mirror_serve(self, request: web.Request) -> web.Response:
+        """Add a catalog model from a present mirror version in one step."""
+        mirror = self._need_mirror()
+        catalog = self._need_catalog()
+        m, v = request.match_info["model"], request.match_info["version"]
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+            if not isinstance(body, dict):
+                raise TypeError
+        except (orjson.JSONDecodeError, TypeError):
+            return error_response(400, "the body should be a JSON object (name, gpu_class, engine, scaling, description)",
+                                  "invalid_request")
+        listing = await self._mirror(mirror.list())
+        if isinstance(listing, web.Response):
+            return listing
+        status = await self._mirror(mirror.status(m, v))
+        if isinstance(status, web.Response):
+            return status
+        try:
+            entry = entry_from_version(status, listing.get("base") or "", name=body.get("name"),
+                                       gpu_class=body.get("gpu_class"), engine=body.get("engine"),
+                                       scaling=body.get("scaling"), description=body.get("description"))
+        except ValueError as exc:
+            return error_response(400, str(exc), "refused")
+        check = self.s.source_check if body.get("source_check", True) else None
+        try:
+            added = await catalog.add(entry, source_check=check)
+        except CatalogError as exc:
+            return error_response(400, str(exc), "refused")
+        self.s.models_changed()
+        return web.json_response({"model": added.to_dict()}, status=201, dumps=dumps)

@@ -1,0 +1,174 @@
+"""The control plane's side of the mirror: its client, the admin API routes, entries from versions."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from llmgw.config.server import MirrorConfig, ServerConfig
+from llmgw.server.app import Server
+from llmgw.server.control.mirror_client import MirrorClient, MirrorRefused, MirrorUnavailable, entry_from_version
+
+GiB = 1 << 30
+BASE = "http://models.internal:8081"
+
+
+def version(model="qwen", ver="2026-11-01", state="present", files=None, reason=None) -> dict:
+    return {"model": model, "version": ver, "state": state, "reason": reason,
+            "files": files if files is not None else [{"name": "q.gguf", "state": "present", "size": 4 * GiB}]}
+
+
+def test_entry_from_a_single_gguf():
+    e = entry_from_version(version(), BASE)
+    assert e == {"name": "qwen", "source": f"{BASE}/qwen/2026-11-01/q.gguf",
+                 "profiles": [{"engine": "llamacpp", "min_memory_gb": 8.0}]}
+
+
+def test_entry_from_a_shard_set_points_at_the_version():
+    files = [{"name": f"q-0000{i}-of-00002.gguf", "state": "present", "size": 2 * GiB} for i in (1, 2)]
+    e = entry_from_version(version(files=files), BASE, name="qwen-big", scaling={"min": 0})
+    assert e["source"] == f"{BASE}/qwen/2026-11-01/" and e["name"] == "qwen-big" and e["scaling"] == {"min": 0}
+    assert e["profiles"][0]["min_memory_gb"] == 8.0
+
+
+def test_entry_refusals_say_why():
+    with pytest.raises(ValueError, match="is fetching; only a version that is present can be served"):
+        entry_from_version(version(state="fetching"), BASE)
+    with pytest.raises(ValueError, match="failed: truncated"):
+        entry_from_version(version(state="failed", reason="truncated"), BASE)
+    st = version(files=[{"name": "model.safetensors", "state": "present", "size": GiB},
+                        {"name": "config.json", "state": "present", "size": 100}])
+    with pytest.raises(ValueError, match="give the GPU class"):
+        entry_from_version(st, BASE)
+    e = entry_from_version(st, BASE, gpu_class="h100-80g")
+    assert e["profiles"][0] == {"engine": "vllm", "gpu_class": "h100-80g", "min_memory_gb": 3.5}
+    with pytest.raises(ValueError, match="holds no model weights"):
+        entry_from_version(version(files=[{"name": "README.md", "state": "present", "size": 1}]), BASE)
+
+
+class FakeMirror:
+    """The mirror's management API as docs/mirror.md gives it."""
+
+    def __init__(self) -> None:
+        self.versions: dict[tuple[str, str], dict] = {}
+        self.fetches: list[dict] = []
+        app = web.Application()
+        app.router.add_get("/v1/models", self.list)
+        app.router.add_post("/v1/models", self.fetch)
+        app.router.add_get("/v1/models/{m}/{v}", self.status)
+        app.router.add_delete("/v1/models/{m}/{v}", self.remove)
+        self.server = TestServer(app)
+
+    async def list(self, request):
+        return web.json_response({"base": BASE, "models": list(self.versions.values())})
+
+    async def fetch(self, request):
+        body = await request.json()
+        self.fetches.append(body)
+        if body["source"].endswith(".html"):
+            return web.json_response({"error": {"message": "the source answered HTML, not a model file"}}, status=400)
+        v = version(body["model"], body["version"], state="fetching")
+        self.versions[(body["model"], body["version"])] = v
+        return web.json_response({**v, "url": f"{BASE}/{body['model']}/{body['version']}/q.gguf"}, status=202)
+
+    async def status(self, request):
+        v = self.versions.get((request.match_info["m"], request.match_info["v"]))
+        if v is None:
+            return web.json_response({"error": {"message": "no such version"}}, status=404)
+        return web.json_response(v)
+
+    async def remove(self, request):
+        self.versions.pop((request.match_info["m"], request.match_info["v"]), None)
+        return web.json_response({})
+
+
+@pytest.fixture
+async def mirror():
+    fake = FakeMirror()
+    await fake.server.start_server()
+    yield fake
+    await fake.server.close()
+
+
+async def test_client_passes_the_mirrors_own_words(mirror):
+    client = MirrorClient(MirrorConfig(api=str(mirror.server.make_url("/"))))
+    got = await client.fetch("https://x/q.gguf", "qwen", "v1")
+    assert got["state"] == "fetching" and got["url"].endswith("/qwen/v1/q.gguf")
+    with pytest.raises(MirrorRefused, match="answered HTML") as err:
+        await client.fetch("https://x/page.html", "qwen", "v2")
+    assert err.value.status == 400
+    with pytest.raises(MirrorRefused, match="no such version"):
+        await client.status("nope", "v")
+    dead = MirrorClient(MirrorConfig(api="http://127.0.0.1:9"))
+    with pytest.raises(MirrorUnavailable, match=r"cannot be reached: .*; check mirror.api in server.yaml"):
+        await dead.list()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def server(mirror, tmp_path):
+    cfg = ServerConfig.model_validate({
+        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "agent_listen": f"127.0.0.1:{_port()}", "agent_tls": None, "control": {"enabled": True},
+        "engines": {"llamacpp": None}, "auth": {"store": str(tmp_path / "db.sqlite")},
+        "mirror": {"api": str(mirror.server.make_url("/"))},
+        "models": [{"name": "uses-it", "source": f"{BASE}/old/v1/", "scaling": {"min": 0},
+                    "profiles": [{"engine": "llamacpp"}]}],
+    })
+    s = Server(cfg)
+    await s.start()
+    yield s, f"http://{cfg.admin_listen.bind_host}:{cfg.admin_listen.port}"
+    await s.stop()
+
+
+async def test_admin_routes_fetch_serve_and_guard_removal(server, mirror):
+    s, admin = server
+    async with httpx.AsyncClient(base_url=admin) as http:
+        r = await http.post("/api/v1/mirror/fetch", json={"source": "https://x/q.gguf", "model": "qwen", "version": "v1"})
+        assert r.status_code == 202 and r.json()["state"] == "fetching"
+        r = await http.post("/api/v1/mirror/fetch", json={"source": "https://x/q.gguf"})
+        assert r.status_code == 400 and '"model": NAME' in r.json()["error"]["message"]
+        # Not yet present: it cannot be served.
+        r = await http.post("/api/v1/mirror/qwen/v1/serve", json={})
+        assert r.status_code == 400 and "is fetching" in r.json()["error"]["message"]
+        mirror.versions[("qwen", "v1")]["state"] = "present"
+        r = await http.post("/api/v1/mirror/qwen/v1/serve", json={"scaling": {"min": 0}, "source_check": False})
+        assert r.status_code == 201, r.text
+        m = r.json()["model"]
+        assert m["source"] == f"{BASE}/qwen/v1/q.gguf" and m["profiles"][0]["min_memory_gb"] == 8.0
+        assert s.catalog.get("qwen") is not None and "qwen" in s.gateway.models
+        # Listing says who uses what; removal of a version in use is refused.
+        mirror.versions[("old", "v1")] = version("old", "v1")
+        r = await http.get("/api/v1/mirror")
+        used = {(v["model"], v["version"]): v["used_by"] for v in r.json()["models"]}
+        assert used == {("qwen", "v1"): ["qwen"], ("old", "v1"): ["uses-it"]}
+        r = await http.delete("/api/v1/mirror/old/v1")
+        assert r.status_code == 409 and "uses-it still refer(s) to old/v1" in r.json()["error"]["message"]
+        assert ("old", "v1") in mirror.versions
+        r = await http.delete("/api/v1/mirror/old/v1?force=1")
+        assert r.status_code == 200 and ("old", "v1") not in mirror.versions
+
+
+async def test_no_mirror_configured_is_said(tmp_path):
+    cfg = ServerConfig.model_validate({
+        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "auth": {"store": str(tmp_path / "db.sqlite")},
+        "models": [{"name": "m", "endpoints": [{"url": "http://127.0.0.1:9", "engine": "openai"}]}],
+    })
+    s = Server(cfg)
+    await s.start()
+    try:
+        async with httpx.AsyncClient() as http:
+            r = await http.get(f"http://127.0.0.1:{cfg.admin_listen.port}/api/v1/mirror")
+        assert r.status_code == 404 and "set mirror.api in server.yaml" in r.json()["error"]["message"]
+    finally:
+        await s.stop()
