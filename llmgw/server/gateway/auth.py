@@ -5,24 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Protocol, Sequence
 
 log = logging.getLogger("llmgw.gateway.auth")
 
 
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who a request is from, as far as this gateway needs to know."""
-
-    key_id: str | None
-    key_prefix: str | None
-    project: str | None
-    expires_at: datetime | None = None
-
-
-ANONYMOUS = Principal(key_id=None, key_prefix=None, project=None)
+from llmgw.server.gateway.principal import ANONYMOUS, Principal  # noqa: F401  (re-exported)
 
 
 class KeySource(Protocol):
