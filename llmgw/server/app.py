@@ -18,7 +18,8 @@ from llmgw.config.server import ServerConfig
 from llmgw.config.types import ListenAddress
 from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.server.control.agents import AgentService
-from llmgw.server.control.catalog import Catalog, check_source
+from llmgw.mirror.gguf import check_gguf_url
+from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_file_url
 from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.fleet_metrics import FleetCollector
 from llmgw.server.control.reconciler import Reconciler
@@ -138,10 +139,26 @@ class Server:
     async def source_check(self, source: str) -> str | None:
         """Why a model's source cannot be served, or None; hf: sources are looked up in
         mirror.registry when one is set."""
-        registry = self.config.mirror.registry if self.config.mirror and self.config.mirror.registry else None
-        if registry:
-            return await check_source(source, hf_endpoint=registry)
-        return await check_source(source)
+        return await check_source(source, hf_endpoint=self._hf_endpoint())
+
+    def model_check(self, profiles: list) -> "Callable[[str], Awaitable[str | None]]":
+        """The source check for a model being added: the source must exist, and a GGUF
+        that a llama.cpp profile would load must be one the pinned llama.cpp can load."""
+        llamacpp = any(isinstance(p, dict) and p.get("engine") == "llamacpp" for p in profiles or ())
+
+        async def check(source: str) -> str | None:
+            problem = await self.source_check(source)
+            if problem is not None or not llamacpp:
+                return problem
+            url = hf_file_url(source, self._hf_endpoint()) if source.startswith("hf:") else source
+            if url.startswith(("http://", "https://")) and not url.endswith("/") and ".gguf" in url.lower():
+                return await check_gguf_url(url)
+            return None
+        return check
+
+    def _hf_endpoint(self) -> str:
+        m = self.config.mirror
+        return m.registry if m is not None and m.registry else HF_ENDPOINT
 
     def models_changed(self) -> None:
         """The catalog changed: the gateway serves its models, the reconciler acts at once."""

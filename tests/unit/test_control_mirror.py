@@ -172,3 +172,54 @@ async def test_no_mirror_configured_is_said(tmp_path):
         assert r.status_code == 404 and "set mirror.api in server.yaml" in r.json()["error"]["message"]
     finally:
         await s.stop()
+
+
+def _gguf(path, arch: str) -> bytes:
+    import gguf as gguf_lib
+    import numpy as np
+
+    w = gguf_lib.GGUFWriter(str(path), arch)
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+async def test_model_add_refuses_a_gguf_the_pinned_llamacpp_cannot_load(server, tmp_path):
+    s, admin = server
+    files = {"/foo.gguf": _gguf(tmp_path / "foo.gguf", "foo"), "/llama.gguf": _gguf(tmp_path / "llama.gguf", "llama")}
+
+    async def handle(request):
+        body = files.get(request.path)
+        if body is None:
+            return web.Response(status=404)
+        rng = request.headers.get("Range")
+        if rng:
+            start, end = (int(x) for x in rng.split("=")[1].split("-"))
+            end = min(end, len(body) - 1)
+            return web.Response(status=206, body=body[start:end + 1],
+                                headers={"Content-Range": f"bytes {start}-{end}/{len(body)}"})
+        return web.Response(body=body)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    files_srv = TestServer(app)
+    await files_srv.start_server()
+    try:
+        def model(name, path):
+            return {"model": {"name": name, "source": str(files_srv.make_url(path)), "scaling": {"min": 0},
+                              "profiles": [{"engine": "llamacpp"}]}}
+        async with httpx.AsyncClient(base_url=admin) as http:
+            r = await http.post("/api/v1/models", json=model("foo", "/foo.gguf"))
+            assert r.status_code == 400
+            msg = r.json()["error"]["message"]
+            assert "cannot load architecture 'foo'" in msg and "--no-source-check skips this check" in msg
+            assert s.catalog.get("foo") is None
+            r = await http.post("/api/v1/models", json=model("ok", "/llama.gguf"))
+            assert r.status_code == 201, r.text
+            r = await http.post("/api/v1/models", json={**model("foo", "/foo.gguf"), "source_check": False})
+            assert r.status_code == 201, r.text
+    finally:
+        await files_srv.close()

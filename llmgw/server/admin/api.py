@@ -211,7 +211,7 @@ class AdminAPI:
             return error_response(400, f"the body is not valid JSON: {exc}", "invalid_json")
         if not isinstance(body, dict) or not isinstance(body.get("model"), dict):
             return error_response(400, 'the body should be {"model": {...}, "source_check": true}', "invalid_request")
-        check = self.s.source_check if body.get("source_check", True) else None
+        check = self.s.model_check(body["model"].get("profiles")) if body.get("source_check", True) else None
         try:
             entry = await catalog.add(body["model"], source_check=check)
         except CatalogError as exc:
@@ -378,7 +378,7 @@ class AdminAPI:
                                        scaling=body.get("scaling"), description=body.get("description"))
         except ValueError as exc:
             return error_response(400, str(exc), "refused")
-        check = self.s.source_check if body.get("source_check", True) else None
+        check = self.s.model_check(entry["profiles"]) if body.get("source_check", True) else None
         try:
             added = await catalog.add(entry, source_check=check)
         except CatalogError as exc:

@@ -239,6 +239,12 @@ class Catalog:
         return new
 
 
+def hf_file_url(source: str, hf_endpoint: str = HF_ENDPOINT) -> str:
+    """hf:ORG/REPO/FILE as the URL Hugging Face serves the file at (its main branch)."""
+    repo_file = source[3:].split("/")
+    return f"{hf_endpoint.rstrip('/')}/{'/'.join(repo_file[:2])}/resolve/main/{quote('/'.join(repo_file[2:]))}"
+
+
 async def check_source(source: str, *, timeout: float = SOURCE_CHECK_TIMEOUT_S,
                        hf_endpoint: str = HF_ENDPOINT,
                        transport: httpx.AsyncBaseTransport | None = None) -> str | None:
@@ -251,10 +257,7 @@ async def check_source(source: str, *, timeout: float = SOURCE_CHECK_TIMEOUT_S,
     if kind == "path":
         path = os.path.expanduser(source)
         return None if os.path.exists(path) else f"{source}: no such file or directory on this machine"
-    url = source
-    if kind == "hf":
-        repo_file = source[3:].split("/")
-        url = f"{hf_endpoint.rstrip('/')}/{'/'.join(repo_file[:2])}/resolve/main/{quote('/'.join(repo_file[2:]))}"
+    url = hf_file_url(source, hf_endpoint) if kind == "hf" else source
     try:
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=True, transport=transport) as client:
             if kind == "set":
