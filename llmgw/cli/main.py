@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from llmgw import __version__
-from llmgw.cli import agent, ctl, keys, node, server, up
+from llmgw.cli import agent, ctl, keys, mirror, node, server, up
 
 app = typer.Typer(
     name="llmgw",
@@ -35,6 +35,7 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(agent.app, name="agent")
 app.add_typer(ctl.app, name="ctl")
 app.add_typer(node.app, name="node")
+app.add_typer(mirror.app, name="mirror")
 app.command("up", help=up.up.__doc__)(up.up)
 
 

@@ -1,0 +1,221 @@
+"""The mirror's management API (:8082), and how the mirror reads the control plane's catalog.
+
+The API is what the control plane's mirror page drives: list what is held or
+arriving, start a download, follow it, remove a version. It answers JSON;
+errors travel as ``{"error": {"message": SENTENCE}}``.
+
+Access: with TLS, mutual TLS against the fleet CA (the context is built by
+the caller from ``llmgw.pki``); else, with an allow-list, loopback and the
+listed addresses or networks only; else anyone (announced at start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
+
+import httpx
+import orjson
+from aiohttp import web
+
+from llmgw.mirror.layout import MirrorError
+
+FORBIDDEN = "this mirror is managed by its control plane only"
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _dumps(obj: object) -> str:
+    return orjson.dumps(obj).decode()
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status, dumps=_dumps)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def file_dict(f) -> dict:
+    d = {"name": f.name, "state": f.state, "bytes": f.size, "bytes_done": f.bytes_done,
+         "bytes_total": f.bytes_total}
+    for key in ("sha256", "reason", "source"):
+        if getattr(f, key, None):
+            d[key] = getattr(f, key)
+    return d
+
+
+def version_dict(vs) -> dict:
+    """A version as the API shows it: state (the worst of its files), sizes, files."""
+    files = [file_dict(f) for f in vs.files]
+    d = {"model": vs.model, "version": vs.version, "state": vs.state, "bytes": vs.size, "files": files}
+    if vs.state == "fetching":
+        d["bytes_done"] = sum(f.bytes_done or 0 for f in vs.files)
+        totals = [f.bytes_total for f in vs.files]
+        d["bytes_total"] = None if any(t is None for t in totals) else sum(totals)
+    if vs.reason:
+        d["reason"] = vs.reason
+    return d
+
+
+def source_url(base: str, model: str, version: str, files: list[str]) -> str:
+    """The source a catalog entry should use: the file for one, the version (ending in /) for several."""
+    prefix = f"{base.rstrip('/')}/{quote(model, safe='')}/{quote(version, safe='')}/"
+    return prefix + quote(files[0], safe="") if len(files) == 1 else prefix
+
+
+# ---------------------------------------------------------------- access control
+
+
+def peer_allowed(peer: str | None, allow: Iterable[Network]) -> bool | None:
+    """True for loopback and the allowed networks, False for others, None when the peer is unreadable."""
+    if not peer:
+        return None
+    try:
+        ip = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or any(ip in net for net in allow)
+
+
+def allow_list_middleware(allow: list[Network]):
+    @web.middleware
+    async def only_allowed(request: web.Request, handler):
+        ok = peer_allowed(request.remote, allow)
+        if ok is None:
+            return error(403, "forbidden")
+        if not ok:
+            return error(403, FORBIDDEN)
+        return await handler(request)
+
+    return only_allowed
+
+
+# ---------------------------------------------------------------- the app
+
+
+def api_app(manager, root: str | os.PathLike[str], base: str, *, allow: list[Network] | None = None) -> web.Application:
+    """The management API over ``manager`` (a llmgw.mirror.fetcher.Manager).
+
+    ``allow``: when given (even empty), only loopback and these networks may call;
+    None leaves access to the caller (mutual TLS) or open.
+    """
+    root = Path(root)
+    middlewares = [allow_list_middleware(allow)] if allow is not None else []
+    app = web.Application(middlewares=middlewares)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"base": base, "models": [version_dict(v) for v in manager.list()]}, dumps=_dumps)
+
+    async def add(request: web.Request) -> web.Response:
+        try:
+            body = await request.json(loads=orjson.loads)
+        except (ValueError, orjson.JSONDecodeError):
+            return error(400, 'the body is not JSON; send {"source": URL, "model": NAME, "version": NAME}')
+        if not isinstance(body, dict):
+            return error(400, 'the body must be an object: {"source": URL, "model": NAME, "version": NAME}')
+        for key in ("source", "model", "version"):
+            if not isinstance(body.get(key), str) or not body[key].strip():
+                return error(400, f'"{key}" is required, as a string: {{"source": URL, "model": NAME, "version": NAME}}')
+        as_name = body.get("as")
+        if as_name is not None and not isinstance(as_name, str):
+            return error(400, '"as" is a file name, a string')
+        anyway = body.get("anyway", False)
+        if not isinstance(anyway, bool):
+            return error(400, '"anyway" is true or false')
+        model, version = body["model"], body["version"]
+        try:
+            vs = await manager.fetch(body["source"], model, version, as_name=as_name or None, anyway=anyway)
+        except MirrorError as exc:
+            held = manager.status(model, version)
+            return error(409 if held is not None else 400, str(exc))
+        d = version_dict(vs)
+        d["url"] = source_url(base, model, version, [f.name for f in vs.files])
+        return web.json_response(d, status=202, dumps=_dumps)
+
+    async def one(request: web.Request) -> web.Response:
+        m, v = request.match_info["model"], request.match_info["version"]
+        vs = manager.status(m, v)
+        if vs is None:
+            return error(404, f"the mirror holds no {m}/{v}")
+        return web.json_response(version_dict(vs), dumps=_dumps)
+
+    async def remove(request: web.Request) -> web.Response:
+        m, v = request.match_info["model"], request.match_info["version"]
+        if manager.status(m, v) is None:
+            return error(404, f"the mirror holds no {m}/{v}")
+        try:
+            await manager.remove(m, v)
+        except MirrorError as exc:
+            return error(409, str(exc))
+        return web.json_response({"removed": f"{m}/{v}"}, dumps=_dumps)
+
+    async def health(request: web.Request) -> web.Response:
+        try:
+            await asyncio.to_thread(os.listdir, root)
+        except OSError as exc:
+            return error(503, f"cannot read {root}: {exc.strerror or exc}")
+        return web.json_response({"status": "ok", "dir": str(root)}, dumps=_dumps)
+
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/models", add)
+    app.router.add_get("/v1/models/{model}/{version}", one)
+    app.router.add_delete("/v1/models/{model}/{version}", remove)
+    app.router.add_get("/v1/health", health)
+    return app
+
+
+# ---------------------------------------------------------------- the control plane's catalog
+
+
+class CatalogError(Exception):
+    """The catalog could not be read."""
+
+
+def read_catalog_sources(server: str, *, timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> list[str]:
+    """Every model's ``source`` from the control plane's admin API (GET /api/v1/models)."""
+    url = server if "://" in server else f"http://{server}"
+    url = url.rstrip("/") + "/api/v1/models"
+    try:
+        with httpx.Client(timeout=timeout, transport=transport) as client:
+            resp = client.get(url)
+    except httpx.HTTPError as exc:
+        raise CatalogError(f"{url}: {exc or type(exc).__name__}") from None
+    if resp.status_code != 200:
+        raise CatalogError(f"{url} answered {resp.status_code} {resp.reason_phrase}")
+    try:
+        data = resp.json()
+        return [m["source"] for m in data["models"] if isinstance(m.get("source"), str)]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CatalogError(f"{url} did not answer with a list of models") from None
+
+
+def references(sources: Iterable[str], base: str) -> set[tuple[str, ...]]:
+    """What catalog sources refer to on this mirror, by path: ``(model, version)``
+    for a whole version, ``(model, version, file)`` for one file.
+
+    Scheme, host and a trailing slash do not matter; a source whose path is not
+    under ``base``'s path, or is not two or three levels deep, refers to nothing here.
+    """
+    prefix = [s for s in urlsplit(base).path.split("/") if s]
+    refs: set[tuple[str, ...]] = set()
+    for source in sources:
+        if "://" not in source:
+            continue
+        segs = [unquote(s) for s in urlsplit(source).path.split("/") if s]
+        if segs[: len(prefix)] != prefix:
+            continue
+        rest = tuple(segs[len(prefix):])
+        if len(rest) in (2, 3):
+            refs.add(rest)
+    return refs
+
+
+def is_referenced(refs: set[tuple[str, ...]], model: str, version: str, name: str) -> bool:
+    return (model, version) in refs or (model, version, name) in refs
