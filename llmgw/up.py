@@ -217,8 +217,10 @@ def write_server_config(workdir: Path, model: Choice, pki: Pki, *, port: int, ad
         "metrics_listen": None,
         "agent_listen": f"127.0.0.1:{agent_port}",
         "agent_tls": {"ca": str(pki.ca), "cert": str(pki.server), "key": str(pki.server_key)},
-        # One node a few centimetres away: react within a second, retry a failed start soon.
-        "control": {"enabled": True, "interval": "1s", "base_backoff": "5s", "max_backoff": "60s"},
+        # One node on loopback, heartbeating every 2s: react within a second, and do not wait the
+        # fleet's 15s for other agents to come back before placing (the settle time is unreachable_after).
+        "control": {"enabled": True, "interval": "1s", "unreachable_after": "5s", "lost_after": "20s",
+                    "base_backoff": "5s", "max_backoff": "60s"},
         "engines": {"llamacpp": llamacpp, "release_url": release_url},
         "auth": {"enabled": True, "store": str(workdir / "llmgw.db")},
         "models": [{
@@ -423,9 +425,10 @@ class Progress:
     failure: str | None = None
 
 
-def describe(node, rows: list[dict], node_id: str = NODE_ID) -> Progress:
+def describe(node, rows: list[dict], model_status: dict | None = None) -> Progress:
     """``node``: the agent service's record of the local node (None before it registers);
-    ``rows``: the reconciler's replica rows for the model."""
+    ``rows``: the reconciler's replica rows for the model; ``model_status``: its status
+    (a failed replica is dropped from the rows at once, its reason kept there)."""
     if node is None or not getattr(node, "connected", False):
         return Progress("waiting for the local agent to connect over mutual TLS")
     p = (node.provision or {}).get("llamacpp")
@@ -440,8 +443,13 @@ def describe(node, rows: list[dict], node_id: str = NODE_ID) -> Progress:
         if p.progress is not None and p.progress.percent is not None:
             words += f" ({p.progress.percent:.0f}%)"
         return Progress(words)
+    backoff = (model_status or {}).get("backoff")
+    if backoff and backoff.get("failures"):
+        # One machine, one node: a start that failed fails the same way again.
+        return Progress("the engine failed", f"the engine failed to start: {backoff.get('last_failure') or 'no reason given'}")
     if not rows:
-        return Progress("llama.cpp is ready; placing the model on this machine")
+        problem = (model_status or {}).get("problem")
+        return Progress(f"placing the model on this machine{f': {problem}' if problem else ''}")
     failed = [r for r in rows if r["state"] == "failed"]
     if failed and not any(r["state"] in ("starting", "ready") for r in rows):
         return Progress("the engine failed", f"the engine failed to start: {failed[-1].get('reason') or 'no reason given'}")
@@ -464,6 +472,7 @@ async def wait_until_served(server: Server, model: str, agent: AgentProcess, sta
                             seen_pids: set[int], interval: float = 0.25) -> None:
     """Until the gateway has a healthy endpoint for ``model``; UpError with the reason when it cannot get one."""
     last = None
+    said_ready = False
     while True:
         rc = agent.exited()
         if rc is not None:
@@ -473,7 +482,11 @@ async def wait_until_served(server: Server, model: str, agent: AgentProcess, sta
         if server.endpoints.model_ready(model):
             return
         node = server.agents.get(NODE_ID) if server.agents is not None else None
-        p = describe(node, rows)
+        installed = (node.provision or {}).get("llamacpp") if node is not None else None
+        if installed is not None and installed.state == ProvisionState.READY and not said_ready:
+            said_ready = True
+            status(f"llama.cpp is ready: {installed.detail or installed.version}")
+        p = describe(node, rows, server.reconciler.model_status(model) if server.reconciler is not None else None)
         if p.failure is not None:
             raise UpError(f"{p.failure}\nthe agent's last lines ({agent.log_path}):\n{agent.tail()}")
         if p.words != last:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import time
 from pathlib import Path
@@ -355,7 +356,7 @@ class Agent:
                     for port in inv.ib_ports if port.hca in wanted]
         return ShardLaunch(
             shard_id=msg.shard_id, engine=msg.engine, model=model, served_name=msg.model or msg.shard_id,
-            port=msg.http_port or 1,
+            port=msg.http_port or 1, host=_engine_host(self.identity.mgmt_addr),
             profile=Profile(
                 tp=(p.tensor_parallel if p else None) or 1, nodes=msg.nnodes or 1, gpu_ids=list(msg.gpus or ()),
                 ctx_size=p.context_size if p else None, parallel=p.parallel if p else None,
@@ -449,6 +450,18 @@ class Agent:
     def _provision_changed(self, status) -> None:
         self.send(Heartbeat(node_id=self.identity.node_id,
                             provision=[ProvisionStatus.model_validate(status.to_wire())]))
+
+
+def _engine_host(mgmt_addr: str | None) -> str:
+    """Where engines listen: every interface, so the gateway reaches them by the node's address;
+    loopback alone when the node reaches its control plane over loopback (one machine, `llmgw up`),
+    where nothing else needs them and an engine has no keys of its own."""
+    try:
+        if mgmt_addr and ipaddress.ip_address(mgmt_addr).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass
+    return "0.0.0.0"
 
 
 class _Refused(Exception):
