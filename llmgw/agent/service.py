@@ -219,8 +219,13 @@ class Agent:
 
     def _engine_versions(self) -> dict[str, str]:
         assert self.installer is not None
-        return {name: s.version for name, s in self.installer.statuses.items()
-                if s.state == ProvisionState.READY and s.version}
+        out = {name: s.version for name, s in self.installer.statuses.items()
+               if s.state == ProvisionState.READY and s.version}
+        # A binary agent.yaml names is this node's engine, whatever the control plane
+        # would install: reported so placement counts the node as having it.
+        for engine in self.cfg.engines.configured():
+            out[engine] = "configured"
+        return out
 
     def _weights_held(self) -> list[LocalWeights]:
         assert self.weights is not None
@@ -244,7 +249,13 @@ class Agent:
             self._spawn(self._stop(msg))
         elif isinstance(msg, Provision):
             assert self._converge is not None
-            self._converge.want([Want(w.engine, w.version, w.source_url) for w in msg.engines])
+            configured = self.cfg.engines.configured()
+            for w in msg.engines:
+                if w.engine in configured:
+                    log.info("not installing %s %s: agent.yaml names %s for it", w.engine, w.version,
+                             configured[w.engine])
+            self._converge.want([Want(w.engine, w.version, w.source_url) for w in msg.engines
+                                 if w.engine not in configured])
             self._ack(msg)
         elif isinstance(msg, LogsRequest):
             self.send(self._logs(msg))

@@ -77,6 +77,11 @@ class SglangEngineConfig(_Block):
 class EnginesConfig(_Block):
     """Engines this node uses as they are instead of installing them."""
 
+    def configured(self) -> dict[str, str]:
+        """Engine -> the binary (or interpreter) agent.yaml names for it."""
+        out = {"llamacpp": self.llamacpp.bin, "vllm": self.vllm.bin, "sglang": self.sglang.python}
+        return {k: v for k, v in out.items() if v}
+
     llamacpp: LlamacppEngineConfig = Field(default_factory=LlamacppEngineConfig)
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     sglang: SglangEngineConfig = Field(default_factory=SglangEngineConfig)

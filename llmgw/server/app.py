@@ -320,7 +320,16 @@ async def serve_until_stopped(config: ServerConfig,
     gc.freeze()
     try:
         if on_started is not None:
-            await on_started(server)
+            # A long on_started (watching an install) must not hold off Ctrl-C.
+            started = asyncio.create_task(on_started(server))
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({started, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not started.done():
+                started.cancel()
+                await asyncio.gather(started, return_exceptions=True)
+            else:
+                started.result()
         await stop.wait()
         log.info("stopping: finishing running requests (up to %gs)", config.timeouts.drain)
     finally:

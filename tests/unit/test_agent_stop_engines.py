@@ -98,3 +98,31 @@ def test_stop_engines_on_exit_stops_them_first(fakes, tmp_path):
                                        ("not-an-address", "0.0.0.0")])
 def test_engines_bind_loopback_only_when_the_control_plane_is_reached_over_loopback(addr, host):
     assert service._engine_host(addr) == host
+
+
+def test_a_binary_agent_yaml_names_is_reported_and_never_installed(tmp_path):
+    from llmgw.protocol import EngineWant, Provision, encode
+
+    cfg = parse_agent_config({
+        "server": "127.0.0.1:7443", "tls": None, "weights_cache": str(tmp_path / "w"),
+        "engines_dir": str(tmp_path / "e"), "supervisor": {"work_dir": str(tmp_path / "s")},
+        "engines": {"llamacpp": {"bin": "/opt/own/llama-server"}}})
+    agent = service.Agent(cfg, Identity(node_id="n", mgmt_addr="127.0.0.1", mgmt_interface=None))
+
+    class Installer:
+        statuses: dict = {}
+
+    class Converge:
+        wanted: list = []
+
+        def want(self, wants) -> None:
+            Converge.wanted = list(wants)
+
+    agent.installer, agent._converge = Installer(), Converge()
+    agent.send = lambda msg: None
+    # Placement counts the node as having llama.cpp...
+    assert agent._engine_versions() == {"llamacpp": "configured"}
+    # ...and a provision for it installs nothing, while other engines are still installed.
+    agent._handle(encode(Provision(id="p1", engines=[EngineWant(engine="llamacpp", version="b1"),
+                                                     EngineWant(engine="vllm", version="0.11.0")])))
+    assert [w.engine for w in Converge.wanted] == ["vllm"]

@@ -475,13 +475,17 @@ def test_malformed_input_is_named():
         Profile(tp=0)
 
 
-def test_settings_prefer_installed_then_configured():
+def test_settings_prefer_configured_then_installed():
+    # agent.yaml's binary is used "instead of installing one"; an installed build next.
     cfg = EnginesConfig(llamacpp=LlamacppEngineConfig(bin="/usr/local/bin/llama-server", parallel=8),
-                        vllm=VllmEngineConfig(bin="/opt/venv/bin/vllm", launch_mode="ray"))
-    s = EngineSettings.from_config(cfg, {"vllm": "/opt/llmgw/engines/vllm/0.30.0-cu13/bin/vllm"})
+                        vllm=VllmEngineConfig(launch_mode="ray"))
+    installed = {"vllm": "/opt/llmgw/engines/vllm/0.30.0-cu13/bin/vllm",
+                 "llamacpp": "/opt/llmgw/engines/llamacpp/b1/llama-server"}
+    s = EngineSettings.from_config(cfg, installed)
     assert s.llamacpp_bin == "/usr/local/bin/llama-server" and s.llamacpp_parallel == 8
     assert s.vllm_bin == "/opt/llmgw/engines/vllm/0.30.0-cu13/bin/vllm" and s.vllm_launch_mode == "ray"
     assert s.sglang_python == "python3"
+    assert cfg.configured() == {"llamacpp": "/usr/local/bin/llama-server"}
     assert EngineSettings.from_config().vllm_launch_mode == "mp"
 
 

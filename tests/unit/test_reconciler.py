@@ -217,6 +217,13 @@ async def test_a_failed_shard_is_stopped_and_retried_later(clock):
     # The failed replica is told to stop and forgotten once the agent says so.
     assert [m.shard_id for _, m in fleet.stops()] == [spec.shard_id]
     assert not rec.replicas
+    # Its failure stays readable until the model serves again.
+    (row,) = rec.replica_rows()
+    assert row["state"] == "failed" and "unknown model architecture" in row["reason"]
+    clock.now += 11
+    await rec.tick()
+    ready_all(fleet, rec)
+    assert [r["state"] for r in rec.replica_rows()] == ["ready"]
 
 
 async def test_startup_timeout_is_not_reset_by_fetch_progress(clock):

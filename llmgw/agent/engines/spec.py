@@ -162,15 +162,16 @@ class EngineSettings(_Model):
 
     @classmethod
     def from_config(cls, engines: EnginesConfig | None = None, installed: dict[str, str] | None = None) -> "EngineSettings":
-        """Installed builds first (they were seen to run), then agent.yaml, then PATH."""
+        """agent.yaml's binaries first (they are used "instead of installing one"), then
+        installed builds (they were seen to run), then PATH."""
         engines = engines or EnginesConfig()
         installed = installed or {}
         return cls(
-            llamacpp_bin=installed.get("llamacpp") or engines.llamacpp.bin or "llama-server",
+            llamacpp_bin=engines.llamacpp.bin or installed.get("llamacpp") or "llama-server",
             llamacpp_parallel=engines.llamacpp.parallel,
-            vllm_bin=installed.get("vllm") or engines.vllm.bin or "vllm",
+            vllm_bin=engines.vllm.bin or installed.get("vllm") or "vllm",
             vllm_launch_mode=engines.vllm.launch_mode,
-            sglang_python=installed.get("sglang") or engines.sglang.python or "python3",
+            sglang_python=engines.sglang.python or installed.get("sglang") or "python3",
         )
 
     def ray(self) -> str:

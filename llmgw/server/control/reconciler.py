@@ -211,6 +211,9 @@ class Reconciler:
         self.problems: dict[str, str] = {}  # model -> why it cannot be placed now
         self.node_warnings: dict[str, str] = {}  # node id -> e.g. why a drain is stuck
         self._backoff: dict[str, _Backoff] = {}
+        # The last failed replica of each model, shown until one of the model's replicas
+        # is ready again: a failure that vanished at once could not be read anywhere.
+        self._failed_rows: dict[str, dict] = {}
         self._last_request: dict[str, float] = {}
         self._waiters: dict[str, int] = {}
         self._changed: dict[str, asyncio.Event] = {}  # per model: a replica became ready or a problem appeared
@@ -511,6 +514,7 @@ class Reconciler:
         if b_off is not None and b_off.failures:
             log.info("%s started after %d failed attempt(s)", r.model, b_off.failures)
         self.problems.pop(r.model, None)
+        self._failed_rows.pop(r.model, None)
         self._signal(r.model)
         if r.replaces:
             old = self.replicas.get(r.replaces)
@@ -571,6 +575,10 @@ class Reconciler:
             self._forget(r)
 
     def _forget(self, r: Replica) -> None:
+        if r.failed_reason is not None:
+            row = self._row(r, self.clock())
+            row["state"] = "failed"
+            self._failed_rows[r.model] = row
         self._unpublish(r)
         self.replicas.pop(r.id, None)
         for s in r.shards:
@@ -883,34 +891,36 @@ class Reconciler:
     # -- views for the admin API, ctl and metrics ---------------------------------------------
 
     def replica_rows(self, model: str | None = None) -> list[dict]:
+        """Every replica, then the last failed one of each model that has not served since."""
         now = self.clock()
-        entries = {e.name: e for e in self.catalog.models()}
-        rows = []
-        for r in sorted(self.replicas.values(), key=lambda r: (r.model, r.created, r.id)):
-            if model is not None and r.model != model:
-                continue
-            entry = entries.get(r.model)
-            current = entry.fingerprints.get(r.profile) if entry else None
-            stale = bool(r.profile_fp) and current is not None and current != r.profile_fp
-            last = self._last_request.get(r.model)
-            rows.append({
-                "id": r.id, "model": r.model, "profile": r.profile, "state": r.state, "pool": r.pool,
-                "stale": stale, "adopted": r.adopted,
-                "age_s": round(now - r.created, 1),
-                "idle_s": round(now - last, 1) if last is not None else None,
-                "endpoint": r.endpoint.url if r.endpoint else None,
-                "reason": r.failed_reason or (r.stop_reason if r.stopping else None),
-                "replaces": r.replaces, "replaced_by": r.replaced_by,
-                "shards": [{
-                    "node": s.node_id, "shard_id": s.shard_id, "rank": s.rank, "gpus": list(s.gpus),
-                    "state": s.state, "pid": s.pid,
-                    "fetch": None if s.fetch is None else {
-                        "source": s.fetch.source, "bytes_done": s.fetch.bytes_done,
-                        "bytes_total": s.fetch.bytes_total,
-                        "percent": None if s.fetch.percent is None else round(s.fetch.percent, 1)},
-                } for s in r.shards],
-            })
+        rows = [self._row(r, now) for r in sorted(self.replicas.values(), key=lambda r: (r.model, r.created, r.id))
+                if model is None or r.model == model]
+        rows += [row for m, row in sorted(self._failed_rows.items())
+                 if (model is None or m == model) and row["id"] not in self.replicas]
         return rows
+
+    def _row(self, r: Replica, now: float) -> dict:
+        entry = self.catalog.get(r.model)
+        current = entry.fingerprints.get(r.profile) if entry else None
+        stale = bool(r.profile_fp) and current is not None and current != r.profile_fp
+        last = self._last_request.get(r.model)
+        return {
+            "id": r.id, "model": r.model, "profile": r.profile, "state": r.state, "pool": r.pool,
+            "stale": stale, "adopted": r.adopted,
+            "age_s": round(now - r.created, 1),
+            "idle_s": round(now - last, 1) if last is not None else None,
+            "endpoint": r.endpoint.url if r.endpoint else None,
+            "reason": r.failed_reason or (r.stop_reason if r.stopping else None),
+            "replaces": r.replaces, "replaced_by": r.replaced_by,
+            "shards": [{
+                "node": s.node_id, "shard_id": s.shard_id, "rank": s.rank, "gpus": list(s.gpus),
+                "state": s.state, "pid": s.pid,
+                "fetch": None if s.fetch is None else {
+                    "source": s.fetch.source, "bytes_done": s.fetch.bytes_done,
+                    "bytes_total": s.fetch.bytes_total,
+                    "percent": None if s.fetch.percent is None else round(s.fetch.percent, 1)},
+            } for s in r.shards],
+        }
 
     def model_status(self, name: str) -> dict:
         entry = self.catalog.get(name)
