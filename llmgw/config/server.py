@@ -74,6 +74,8 @@ class EndpointConfig(_Block):
 
 
 ProfileEngine = Literal["llamacpp", "vllm", "sglang"]
+# How the gateway picks among a model's ready endpoints (llmgw/server/gateway/routing.py).
+Routing = Literal["least_loaded", "prefix", "round_robin"]
 
 _GPU_CLASS_RE = re.compile(r"[a-z0-9][a-z0-9.-]{0,63}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -273,6 +275,12 @@ class ModelConfig(_Block):
     profiles: list[ProfileConfig] = Field(
         default_factory=list, description="How the control plane may run this model; with profiles, llmgw starts the engines."
     )
+    routing: Routing | None = Field(
+        default=None,
+        description="How a request picks one of this model's ready endpoints: least_loaded, prefix "
+        "(the endpoint that recently served the longest start of the same prompt, within "
+        "router.session_load_factor of the least loaded) or round_robin; left out: router.routing.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -327,6 +335,13 @@ class ModelConfig(_Block):
         return bool(self.profiles)
 
 
+class PriceConfig(_Block):
+    """What a model's tokens cost, in whole units (dollars, euros, credits) per 1,000 tokens."""
+
+    prompt_per_1k: float = Field(default=0.0, ge=0, description="Price of 1,000 prompt (input) tokens.")
+    completion_per_1k: float = Field(default=0.0, ge=0, description="Price of 1,000 completion (output) tokens.")
+
+
 class AuthConfig(_Block):
     """API keys and where they, and usage, are stored."""
 
@@ -335,6 +350,24 @@ class AuthConfig(_Block):
         default=DEFAULT_STORE,
         description="Where keys and usage live: a file path (SQLite), a postgres:// URL "
         "(PostgreSQL), or @/path/to/file holding the address.",
+    )
+    pricing: dict[str, PriceConfig] = Field(
+        default_factory=dict,
+        description="Price per model by catalog name: {MODEL: {prompt_per_1k, completion_per_1k}} in whole "
+        "units per 1,000 tokens. Budgets bind only on priced models; a model priced at zero is exempt "
+        "from budgets. Requests are priced by the catalog name, not the alias a client sent.",
+    )
+    default_price: PriceConfig | None = Field(
+        default=None,
+        description="Price of every model pricing leaves out; null: those models cost nothing and no budget binds on them.",
+    )
+    default_rpm: int | None = Field(
+        default=None, ge=1,
+        description="Requests per minute for a key no level limits; counted per key, never a shared pool. null: no default.",
+    )
+    default_tpm: int | None = Field(
+        default=None, ge=1,
+        description="Tokens per minute for a key no level limits; counted per key, never a shared pool. null: no default.",
     )
 
     @field_validator("store")
@@ -365,6 +398,26 @@ class RouterConfig(_Block):
         default=2, ge=0, le=10,
         description="Other endpoints tried when one fails before the first byte reached the client.",
     )
+    routing: Routing = Field(
+        default="prefix",
+        description="How a request picks one of a model's ready endpoints (a model's own `routing` "
+        "overrides it): prefix sends it where the longest start of its prompt was served recently "
+        "(the engine's cache holds it) unless that endpoint is too busy, else to the least loaded; "
+        "least_loaded ignores the prompt; round_robin takes each endpoint in turn.",
+    )
+    session_load_factor: float = Field(
+        default=1.25, ge=1.0, le=100.0,
+        description="prefix routing: an endpoint holding the prompt's start is preferred while its "
+        "load (requests ahead) is at most (least load + 1) times this.",
+    )
+    prefix_block_chars: int = Field(
+        default=256, ge=16, le=65536,
+        description="prefix routing: prompts are compared in blocks of this many characters.",
+    )
+    prefix_cache_blocks: int = Field(
+        default=4096, ge=16, le=10_000_000,
+        description="prefix routing: block hashes remembered per endpoint (about 100 bytes each), oldest forgotten first.",
+    )
 
 
 class TimeoutsConfig(_Block):
@@ -386,6 +439,33 @@ class UsageConfig(_Block):
     batch_size: int = Field(default=500, ge=1, description="Rows written per statement at most.")
     queue_limit: int = Field(
         default=100_000, ge=100, description="Rows held in memory while the store is slow; beyond it rows are counted as dropped."
+    )
+
+
+class AdmissionConfig(_Block):
+    """Saturated models: requests wait their turn, highest band first, tenants in turn within a band."""
+
+    enabled: bool = Field(
+        default=True, description="Hold requests in a per-model queue while the model's endpoints are saturated; false sends every request straight on."
+    )
+    queue_timeout: Duration = Field(
+        default=30.0, description="How long a request may wait for its turn before it is answered 503 with Retry-After."
+    )
+    max_queue: int = Field(
+        default=1000, ge=1,
+        description="Requests waiting per model at most; when full, a waiter of the lowest band gives way (or the newcomer, when none is lower).",
+    )
+    healthy_waiting: float = Field(
+        default=8.0, gt=0,
+        description="Requests waiting inside one engine (its own queue, as its /metrics reports) that still count as healthy; "
+        "a model is saturated when its ready endpoints' waiting requests reach this many per endpoint.",
+    )
+    kv_ceiling: float = Field(
+        default=0.9, gt=0, le=1,
+        description="KV-cache use (0-1) that still counts as healthy; a model is saturated when its endpoints' mean use reaches it.",
+    )
+    retry_after: Duration = Field(
+        default=5.0, description="The Retry-After sent with a 503 from admission (rounded up to whole seconds)."
     )
 
 
@@ -538,6 +618,7 @@ class ServerConfig(_Block):
     router: RouterConfig = Field(default_factory=RouterConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     usage: UsageConfig = Field(default_factory=UsageConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     models: list[ModelConfig] = Field(default_factory=list, description="The models served, with their engines.")
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from llmgw.protocol.prometheus import parse_prometheus
+from llmgw.server.gateway.routing import PrefixLRU, Router
 
 log = logging.getLogger("llmgw.gateway.endpoints")
 
@@ -69,7 +70,7 @@ class Endpoint:
         "model", "url", "engine", "upstream_model", "names",
         "inflight", "waiting", "running", "kv_usage", "scraped_at",
         "healthy", "health_detail", "failures", "open_until", "cooldown", "trial_inflight",
-        "_breaker_failures", "_breaker_cooldown",
+        "_breaker_failures", "_breaker_cooldown", "prefixes",
     )
 
     def __init__(self, model: str, url: str, engine: str, upstream_model: str | None,
@@ -92,6 +93,8 @@ class Endpoint:
         self.trial_inflight = False
         self._breaker_failures = breaker_failures
         self._breaker_cooldown = breaker_cooldown
+        # Block hashes of prompts sent here recently (prefix routing; made on first use).
+        self.prefixes: PrefixLRU | None = None
 
     # The breaker: closed while failures < threshold; open (no traffic) until
     # open_until; then half-open, letting a single trial request through.
@@ -167,24 +170,22 @@ class EndpointSet:
         self._connect_timeout = connect_timeout
         self._watchers: dict[Endpoint, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
+        # How to choose among a model's endpoints (routing.py); the gateway configures it.
+        self.router = Router()
 
-    def choose(self, model: str, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
-        """The least loaded available endpoint of a model; ties are broken at random."""
+    def choose(self, model: str, exclude: tuple[Endpoint, ...] = (),
+               blocks: tuple[int, ...] = ()) -> Endpoint | None:
+        """An available endpoint of a model, not in ``exclude``, as the model's routing
+        strategy picks it (``blocks``: the request's prompt block hashes, for prefix
+        routing). Without blocks, prefix routing is least loaded, ties at random."""
         now = time.monotonic()
-        best: Endpoint | None = None
-        best_load = 0.0
-        ties = 0
-        for ep in self.by_model.get(model, ()):
-            if ep in exclude or not ep.available(now):
-                continue
-            load = ep.load(now, self.stale_after)
-            if best is None or load < best_load:
-                best, best_load, ties = ep, load, 1
-            elif load == best_load:
-                # Reservoir choice among equals spreads an idle pool evenly.
-                ties += 1
-                if random.random() * ties < 1.0:
-                    best = ep
+        stale = self.stale_after
+        best = self.router.choose(
+            model,
+            [(ep, ep.load(now, stale)) for ep in self.by_model.get(model, ())
+             if ep not in exclude and ep.available(now)],
+            blocks,
+        )
         if best is not None and best.failures:
             best.trial_inflight = True
         return best

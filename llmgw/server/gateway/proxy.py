@@ -22,6 +22,7 @@ from llmgw.config.server import ModelConfig, ServerConfig
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.routing import RouterCollector
 from llmgw.server.gateway.usage import UsageRecorder
 from llmgw.server.metrics import GatewayMetrics
 from llmgw.store import UsageRow
@@ -100,6 +101,13 @@ class Gateway:
         self.retries = config.router.retries
         self.models: dict[str, ServedModel] = {}
         self.demand: Demand | None = None
+        r = config.router
+        self.router = endpoints.router
+        self.router.configure(r.routing, r.session_load_factor, r.prefix_block_chars, r.prefix_cache_blocks)
+        try:
+            metrics.registry.register(RouterCollector(self.router))
+        except ValueError:
+            pass  # already registered (a second Gateway on the same metrics)
         self.set_models(config.models)
         t = config.timeouts
         self._timeout = aiohttp.ClientTimeout(total=t.generation, sock_connect=t.connect)
@@ -114,6 +122,7 @@ class Gateway:
                 table[name] = served
         self._model_configs = list(models)
         self.models = table
+        self.router.set_model_strategies({m.name: m.routing for m in models})
         self._models_body = self._render_models()
 
     def _render_models(self) -> bytes:
@@ -249,8 +258,9 @@ class Gateway:
         demand = self.demand if served.managed else None
         if demand is not None:
             demand.touch(served.name)
+        blocks = self.router.blocks_for(served.name, route.name, body)
         for attempt in range(attempts):
-            ep = self.endpoints.choose(served.name, tried)
+            ep = self.endpoints.choose(served.name, tried, blocks)
             if ep is None and not tried and demand is not None:
                 # An on-demand model loads now: the client waits for it rather than
                 # getting an error it would have to retry.
@@ -258,11 +268,11 @@ class Gateway:
                 if problem is not None:
                     return self._finish_error(route, principal, served, asked, None, stream, t0, upstream_time,
                                               503, problem, "model_not_ready")
-                ep = self.endpoints.choose(served.name, tried)
+                ep = self.endpoints.choose(served.name, tried, blocks)
             if ep is None and tried:
                 # Every endpoint has been tried once; one that is still in (its breaker
                 # closed) may have failed only on a stale pooled connection.
-                ep = self.endpoints.choose(served.name)
+                ep = self.endpoints.choose(served.name, (), blocks)
             if ep is None:
                 break
             if attempt:
