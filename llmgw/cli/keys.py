@@ -17,17 +17,18 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw.cli.common import err, fail, resolve_store
-from llmgw.store import Store, StoreError
+from llmgw.store import Ambiguous, IssuedKey, NotFound, NotMember, Store, StoreError
+from llmgw.store.tenancy import UNSET
 
 T = TypeVar("T")
 
 app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
 
-_STORE_HELP = "Store address (path, postgres:// URL or @file); default: auth.store of --config, else /var/lib/llmgw/llmgw.db."
-_CONFIG_HELP = "server.yaml whose auth.store to use (default /etc/llmgw/server.yaml when it exists)."
+STORE_HELP = "Store address (path, postgres:// URL or @file); default: auth.store of --config, else /var/lib/llmgw/llmgw.db."
+CONFIG_HELP = "server.yaml whose auth.store to use (default /etc/llmgw/server.yaml when it exists)."
 
 
-def _with_store(store: str | None, config: str | None, op: Callable[[Store], Awaitable[T]]) -> T:
+def with_store(store: str | None, config: str | None, op: Callable[[Store], Awaitable[T]]) -> T:
     """Open the store (saying which setting chose it when that fails), run op, close."""
     address, chosen_by = resolve_store(store, config)
 
@@ -46,32 +47,80 @@ def _with_store(store: str | None, config: str | None, op: Callable[[Store], Awa
     return asyncio.run(run())
 
 
-def _parse_lifetime(text: str) -> timedelta | None:
-    if text.strip() in ("", "0"):
+def _parse_duration(flag: str, text: str, allow_never: bool = True) -> timedelta | None:
+    if allow_never and text.strip() in ("", "0"):
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*(h|d|w)\s*", text)
-    if not m:
-        fail(f'--expires-in "{text}" is not a lifetime; write it like 12h, 30d or 8w (0 never expires)')
+    m = re.fullmatch(r"\s*(\d+)\s*(m|h|d|w)\s*", text)
+    if not m or int(m.group(1)) == 0:
+        never = " (0 never expires)" if allow_never else ""
+        fail(f'{flag} "{text}" is not a lifetime; write it like 12h, 30d or 8w{never}')
     n, unit = int(m.group(1)), m.group(2)
-    return timedelta(hours=n) if unit == "h" else timedelta(days=n * (7 if unit == "w" else 1))
+    return timedelta(minutes=n) if unit == "m" else timedelta(hours=n) if unit == "h" else \
+        timedelta(days=n * (7 if unit == "w" else 1))
+
+
+def _parse_lifetime(text: str) -> timedelta | None:
+    return _parse_duration("--expires-in", text)
 
 
 @app.command("create")
 def create(
-    name: str = typer.Option(..., "--name", "-n", help="What the key is for, e.g. 'ci-bot' or 'alice laptop'."),
-    project: str = typer.Option(None, "--project", help="Project the key's usage is counted under."),
+    name_arg: str = typer.Argument(None, metavar="NAME", help="What the key is for, e.g. 'ci-bot' or 'alice laptop'."),
+    name: str = typer.Option(None, "--name", "-n", help="The same as NAME."),
+    project: str = typer.Option(None, "--project", help="Project (id, path or unique name); may be left out when there is exactly one."),
+    for_: str = typer.Option(None, "--for", help="The person (id or email) the key is for; without --project, a personal key."),
+    band: str = typer.Option(None, "--band", help="Admission band: low, normal or high; empty inherits."),
     expires_in: str = typer.Option("0", "--expires-in", help="Lifetime such as 12h, 30d, 8w; 0 never expires."),
-    store: str = typer.Option(None, "--store", help=_STORE_HELP),
-    config: str = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
+    claim: bool = typer.Option(False, "--claim", help="Print a one-time claim link instead of the secret."),
+    claim_ttl: str = typer.Option("7d", "--claim-ttl", help="How long the claim link works, e.g. 48h or 7d."),
+    base_url: str = typer.Option("http://localhost:8080", "--base-url", help="The gateway's public address, for the claim link."),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
     """Create an API key. The secret is printed once, alone on the last line of standard output; only its hash is kept."""
+    if name_arg and name and name_arg != name:
+        fail("give the key's name once, as NAME or --name")
+    key_name = name_arg or name
+    if not key_name:
+        fail("give the key a name: llmgw keys create NAME")
     lifetime = _parse_lifetime(expires_in)
+    ttl = _parse_duration("--claim-ttl", claim_ttl, allow_never=False) if claim else None
     expires = datetime.now(timezone.utc) + lifetime if lifetime else None
-    secret, rec = _with_store(store, config, lambda s: s.create_key(name, project=project, expires_at=expires))
+
+    async def make(s: Store):
+        tree = await s.tree()
+        if not tree.projects and not for_ and not claim and band is None:
+            # A store without a tree yet: the key is not in one (--project is a label).
+            secret, rec = await s.create_key(key_name, project=project, expires_at=expires)
+            return IssuedKey(secret, rec, rec.project, None)
+        try:
+            return await s.issue_key(key_name, project=project, owner=for_, band=band, expires_at=expires,
+                                     claim=claim, **({"claim_ttl": ttl} if ttl else {}))
+        except StoreError as exc:
+            if project and not isinstance(exc, (NotFound, Ambiguous, NotMember)):
+                raise StoreError(f"creating the key in {project}: {exc}") from None
+            raise
+
+    issued = with_store(store, config, make)
+    rec = issued.key
+    if issued.claim_token:
+        err.print(f"created key {rec.id} ({rec.name})", highlight=False)
+        err.print(f"\nid {rec.id}\nproject {_project_shown(issued.project_path, issued.owner_email)}", highlight=False)
+        err.print(f"claim link expires {issued.claim_expires_at:%Y-%m-%d %H:%M} UTC", highlight=False)
+        err.print("Send the link. It works once, and the key is shown only to whoever opens it.", highlight=False)
+        typer.echo(f"{base_url.rstrip('/')}/claim/{issued.claim_token}")
+        return
     err.print(f"created key {rec.id} ({rec.name}); it is shown once, keep it now", highlight=False)
+    err.print(f"\nid {rec.id}\nproject {_project_shown(issued.project_path, issued.owner_email)}", highlight=False)
     if rec.expires_at:
         err.print(f"expires {rec.expires_at:%Y-%m-%d %H:%M} UTC", highlight=False)
-    typer.echo(secret)
+    typer.echo(issued.secret)
+
+
+def _project_shown(path: str | None, owner_email: str | None) -> str:
+    if path:
+        return path
+    return f"personal, {owner_email}" if owner_email else "-"
 
 
 def _when(dt: datetime | None) -> str:
@@ -80,24 +129,40 @@ def _when(dt: datetime | None) -> str:
 
 @app.command("list")
 def list_(
+    project: str = typer.Option(None, "--project", help="Only keys in this project (id, path or unique name)."),
     all_: bool = typer.Option(False, "--all", "-a", help="Include revoked and expired keys."),
-    store: str = typer.Option(None, "--store", help=_STORE_HELP),
-    config: str = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
-    """List API keys: id, name, visible prefix, project, state, when created and last used. Secrets are never shown."""
-    keys = _with_store(store, config, lambda s: s.list_keys(include_revoked=True))
+    """List API keys: id, name, visible prefix, project, owner, state and when last used. Secrets are never shown."""
+    async def read(s: Store):
+        tree = await s.tree(people=True)
+        proj = await s.find("project", project) if project else None
+        return tree, proj, await s.list_keys(include_revoked=True)
+
+    tree, proj, keys = with_store(store, config, read)
     now = datetime.now(timezone.utc)
     rows = []
     for k in keys:
+        if proj is not None and k.project_id != proj.id:
+            continue
         state = "revoked" if k.revoked_at else ("expired" if k.expires_at and k.expires_at <= now else "active")
         if state != "active" and not all_:
             continue
-        rows.append((k.id, k.name, k.prefix + "…", k.project or "-", state, _when(k.created_at), _when(k.last_used_at)))
+        owner = tree.users[k.user_id].email if k.user_id in tree.users else (k.user_id or "-")
+        if k.project_id in tree.projects:
+            where = tree.projects[k.project_id].path
+        elif k.user_id and not k.project_id:
+            where = "personal"
+        else:
+            where = k.project or "-"
+        rows.append((k.id, k.name, k.prefix + "…", where, owner, state, _when(k.last_used_at)))
     if not rows:
-        err.print("no keys" + ("" if all_ else " (revoked and expired keys are listed with --all)"), highlight=False)
+        more = "" if all_ else " (revoked and expired keys are listed with --all)"
+        err.print((f"no keys in {proj.path}" if proj else "no keys") + more, highlight=False)
         return
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("ID", "NAME", "KEY", "PROJECT", "STATE", "CREATED", "LAST USED"):
+    for col in ("ID", "NAME", "KEY", "PROJECT", "OWNER", "STATE", "LAST USED"):
         table.add_column(col, no_wrap=True)
     for r in rows:
         table.add_row(*r)
@@ -107,9 +172,57 @@ def list_(
 @app.command("revoke")
 def revoke(
     key: str = typer.Argument(..., metavar="ID|PREFIX", help="The key's id (key-…) or its visible prefix (llmgw-…)."),
-    store: str = typer.Option(None, "--store", help=_STORE_HELP),
-    config: str = typer.Option(None, "--config", "-c", help=_CONFIG_HELP),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
     """Revoke an API key. A running server refuses it within two seconds."""
-    rec = _with_store(store, config, lambda s: s.revoke_key(key))
+    rec = with_store(store, config, lambda s: s.revoke_key(key))
     err.print(f"revoked key {rec.id} ({rec.name}, {rec.prefix}…)", highlight=False)
+
+
+def _models(text: str | None):
+    if text is None:
+        return UNSET
+    return [m.strip() for m in text.split(",") if m.strip()]
+
+
+@app.command("limits")
+def limits_(
+    scope: str = typer.Option("project", "--scope", help="org, team, project, user or key."),
+    id_: str = typer.Option("", "--id", help="Which one: id, path or name (a person's id or email; a key's id)."),
+    per_member: bool = typer.Option(False, "--per-member", help="A limit for each member there, not one shared by all (org, team, project)."),
+    rpm: int = typer.Option(None, "--rpm", help="Requests per minute."),
+    tpm: int = typer.Option(None, "--tpm", help="Tokens per minute."),
+    budget: float = typer.Option(None, "--budget", help="Spend per period, in whole units (stored as micro-units)."),
+    period: str = typer.Option(None, "--period", help="The budget's period: day or month (default month)."),
+    models: str = typer.Option(None, "--models", help="Allowed models, comma-separated; empty allows none."),
+    band: str = typer.Option(None, "--band", help="Admission band (low, normal, high) for an org, team, project or key."),
+    clear: bool = typer.Option(False, "--clear", help="Remove every limit of the level."),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+) -> None:
+    """Set limits on a level of the tree, a person or a key. Only the flags given are written."""
+    given = {}
+    for flag, value in (("--rpm", rpm), ("--tpm", tpm), ("--budget", budget)):
+        if value is not None and value < 0:
+            fail(f"{flag} cannot be negative ({value:g}); give 0 or more")
+    if rpm is not None:
+        given["rpm"] = rpm
+    if tpm is not None:
+        given["tpm"] = tpm
+    if budget is not None:
+        if budget != budget or budget in (float("inf"),):
+            fail(f"--budget must be a number of at least 0, not {budget}")
+        given["budget_micros"] = round(budget * 1_000_000)
+    if period is not None:
+        given["period"] = period
+    if models is not None:
+        given["models"] = _models(models)
+    if band is not None:
+        given["band"] = band
+
+    async def apply(s: Store):
+        return await s.set_limits(scope, id_ or None, per_member=per_member, clear=clear, **given)
+
+    level, scope_id, _row = with_store(store, config, apply)
+    typer.echo(f"limits {'cleared' if clear else 'set'} on {level} {scope_id}")

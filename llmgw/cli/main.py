@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from llmgw import __version__
-from llmgw.cli import agent, ctl, keys, mirror, node, server, up
+from llmgw.cli import agent, ctl, keys, mirror, node, org, server, up, users
 
 app = typer.Typer(
     name="llmgw",
@@ -32,6 +32,8 @@ def _root(
 
 app.command("server", help=server.server.__doc__)(server.server)
 app.add_typer(keys.app, name="keys")
+app.add_typer(users.app, name="users")
+app.add_typer(org.app, name="org")
 app.add_typer(agent.app, name="agent")
 app.add_typer(ctl.app, name="ctl")
 app.add_typer(node.app, name="node")

@@ -41,3 +41,19 @@ _PASSWORD_RE = re.compile(r"(?P<pre>\b[A-Za-z][A-Za-z0-9+.\-]*://[^:/?#@\s]*:)[^
 def mask_password(text: str) -> str:
     """Replace the password of every URL in `text` with ***."""
     return _PASSWORD_RE.sub(r"\g<pre>***@", text)
+
+
+class NotFound(StoreError):
+    """An id, path, name or email named nothing."""
+
+
+class Ambiguous(StoreError):
+    """A name matched more than one thing; `paths` lists them."""
+
+    def __init__(self, message: str, paths: list[str]):
+        super().__init__(message)
+        self.paths = paths
+
+
+class NotMember(StoreError):
+    """A person's key was asked for in a project no membership of theirs reaches."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import (BigInteger, Boolean, Column, DateTime, Float, Index, Integer,
-                        MetaData, String, Table, Text)
+from sqlalchemy import (BigInteger, Boolean, Column, DateTime, Float, ForeignKey, Index, Integer,
+                        MetaData, String, Table, Text, UniqueConstraint, update)
 from sqlalchemy.types import TypeDecorator
 
 KEYS_GENERATION = "keys_generation"
@@ -49,6 +49,9 @@ api_keys = Table(
     Column("revoked_at", UTCDateTime, nullable=True),
     Column("last_used_at", UTCDateTime, nullable=True),
     Column("expires_at", UTCDateTime, nullable=True),
+    Column("project_id", String(32), nullable=True, index=True),  # null: a personal key
+    Column("user_id", String(32), nullable=True, index=True),     # the owner, if a person
+    Column("band", String(16), nullable=True),                    # null: inherits
 )
 
 usage = Table(
@@ -68,6 +71,11 @@ usage = Table(
     Column("ttft_ms", Float, nullable=True),
     Column("status", Integer, nullable=False),
     Column("stream", Boolean, nullable=False),
+    Column("user_id", String(32), nullable=True),
+    Column("project_id", String(32), nullable=True),
+    Column("team_id", String(32), nullable=True),
+    Column("org_id", String(32), nullable=True),
+    Column("cost_micros", BigInteger, nullable=False, server_default="0"),
     # Per-key usage pages read a key's newest rows.
     Index("ix_usage_key_id_at", "key_id", "at"),
 )
@@ -95,3 +103,80 @@ node_marks = Table(
     Column("mark", String(20), nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
 )
+
+# -- tenancy (0004) -----------------------------------------------------------------
+
+organizations = Table(
+    "organizations", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    UniqueConstraint("name", name="uq_organizations_name"),
+)
+
+teams = Table(
+    "teams", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("org_id", String(32), ForeignKey("organizations.id"), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    UniqueConstraint("org_id", "name", name="uq_teams_org_id_name"),
+)
+
+projects = Table(
+    "projects", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("team_id", String(32), ForeignKey("teams.id"), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    UniqueConstraint("team_id", "name", name="uq_projects_team_id_name"),
+)
+
+users = Table(
+    "users", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("email", String(320), nullable=False, unique=True),
+    Column("name", Text, nullable=True),
+    Column("password_hash", Text, nullable=True),  # argon2id
+    Column("state", String(16), nullable=False),   # active | suspended
+    Column("admin", Boolean, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+memberships = Table(
+    "memberships", metadata,
+    Column("user_id", String(32), ForeignKey("users.id"), primary_key=True),
+    Column("scope", String(16), primary_key=True),     # org | team | project
+    Column("scope_id", String(32), primary_key=True),
+    Column("role", String(16), nullable=False),        # member | manager (organizations only)
+    Column("created_at", UTCDateTime, nullable=False),
+)
+
+# One row per level that sets anything; clearing a level deletes its row.
+limits = Table(
+    "limits", metadata,
+    Column("scope", String(20), primary_key=True),     # org | team | project | user | key | *-member
+    Column("scope_id", String(32), primary_key=True),
+    Column("rpm", Integer, nullable=True),
+    Column("tpm", Integer, nullable=True),
+    Column("budget_micros", BigInteger, nullable=True),
+    Column("period", String(8), nullable=False),       # day | month
+    Column("models", Text, nullable=True),             # JSON list of names; null: no restriction
+    Column("band", String(16), nullable=True),         # org, team and project levels
+    Column("updated_at", UTCDateTime, nullable=False),
+)
+
+key_claims = Table(
+    "key_claims", metadata,
+    Column("token_hash", String(64), primary_key=True),
+    Column("key_id", String(32), ForeignKey("api_keys.id"), nullable=False),
+    Column("sealed", Text, nullable=False),            # the secret sealed with the token; "" once used
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False),
+    Column("used_at", UTCDateTime, nullable=True),
+)
+
+# Every change to keys, the tree, people, memberships or limits runs this in its
+# transaction; a server polls the counter and reloads its keys when it moves.
+BUMP_GENERATION = (update(store_state).where(store_state.c.name == KEYS_GENERATION)
+                   .values(value=store_state.c.value + 1))

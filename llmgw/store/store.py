@@ -1,9 +1,9 @@
 """The store's async API: API keys, usage rows, the keys generation counter and the
-models added to the catalog at run time."""
+models added to the catalog at run time. The tenancy tree, people, claims and limits
+are in tenancy.py, mixed into Store."""
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -17,19 +17,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from .address import NUMERIC_PARAMS, resolve_store_address
 from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
+from .keyrows import (KEY_COLS as _KEY_COLS, PREFIX_LEN, SECRET_PREFIX, check_key_text as _check_text,
+                      hash_secret, key_from_row as _key, new_secret as _new_secret)
 from .migrate import WRITE, upgrade_to_head
+from .tenancy import TenancyMixin
 from .records import KeyRecord, UsageRow, utcnow
-from .schema import KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, node_marks, store_state, usage
+from .schema import BUMP_GENERATION, KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, node_marks, store_state, usage
 
-SECRET_PREFIX = "llmgw-"
-PREFIX_LEN = 14           # the visible part of a secret: "llmgw-" and 8 random characters
 MIN_MATCH_LEN = 6         # shortest leading part of a prefix revoke_key accepts
-MAX_TEXT_LEN = 200        # key names and projects
 SQLITE_BUSY_TIMEOUT_S = 15.0
 
-_KEY_COLS = [c for c in api_keys.c if c.name != "hash"]
-_BUMP_GENERATION = (update(store_state).where(store_state.c.name == KEYS_GENERATION)
-                    .values(value=store_state.c.value + 1))
+_BUMP_GENERATION = BUMP_GENERATION
 _GENERATION = select(store_state.c.value).where(store_state.c.name == KEYS_GENERATION)
 _ACTIVE_KEYS = (select(api_keys)
                 .where(api_keys.c.revoked_at.is_(None),
@@ -54,47 +52,11 @@ class CatalogRow:
     updated_at: datetime
 
 
-def hash_secret(secret: str) -> str:
-    """The stored form of an API key secret: sha256, hex. Secrets are random enough
-    (240 bits) that a slow password hash would buy nothing and cost every request."""
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
-
-
-def _new_secret() -> str:
-    return SECRET_PREFIX + secrets.token_urlsafe(30)  # 30 bytes -> exactly 40 characters
-
-
-def _check_text(what: str, value: object, required: bool) -> str | None:
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        raise StoreError(f"The key {what} must be text, not {type(value).__name__}.")
-    value = value.strip()
-    if not value:
-        raise StoreError(f"The key {what} is empty; give a short {what} "
-                         "(for example the team or app that will use the key).")
-    if len(value) > MAX_TEXT_LEN:
-        raise StoreError(f"The key {what} is {len(value)} characters long; "
-                         f"keep it to at most {MAX_TEXT_LEN}.")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise StoreError(f"The key {what} contains control characters (such as a newline); "
-                         "use plain text on one line.")
-    return value
-
-
 def _shown_query(text: str) -> str:
     # Someone may paste a whole secret; never echo it into an error or a log.
     if text.startswith(SECRET_PREFIX) and len(text) > PREFIX_LEN:
         return text[:PREFIX_LEN] + "…"
     return text
-
-
-def _key(row, with_hash: bool = False) -> KeyRecord:
-    m = row._mapping
-    return KeyRecord(id=m["id"], name=m["name"], prefix=m["prefix"],
-                     hash=m["hash"] if with_hash else None, project=m["project"],
-                     created_at=m["created_at"], revoked_at=m["revoked_at"],
-                     last_used_at=m["last_used_at"], expires_at=m["expires_at"])
 
 
 def _describe_key(k: KeyRecord) -> str:
@@ -135,7 +97,7 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store:
+class Store(TenancyMixin):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):
@@ -290,7 +252,9 @@ class Store:
                    "served_model": r.served_model, "endpoint": r.endpoint,
                    "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
                    "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "status": r.status,
-                   "stream": r.stream} for r in rows]
+                   "stream": r.stream, "user_id": r.user_id, "project_id": r.project_id,
+                   "team_id": r.team_id, "org_id": r.org_id, "cost_micros": r.cost_micros}
+                  for r in rows]
         latest: dict[str, datetime] = {}
         for r in rows:
             if r.key_id is not None and (r.key_id not in latest or r.at > latest[r.key_id]):

@@ -11,13 +11,76 @@ from typing import Protocol, Sequence
 log = logging.getLogger("llmgw.gateway.auth")
 
 
-from llmgw.server.gateway.principal import ANONYMOUS, Principal  # noqa: F401  (re-exported)
+from llmgw.server.gateway.principal import ANONYMOUS, DEFAULT_BAND, Pool, Principal  # noqa: F401  (re-exported)
+
+# The levels of a key's chain, in the order its pools are listed; "owner" levels exist
+# only when the key has an owner (a person).
+CHAIN = ("key", "project-member", "project", "team-member", "team", "org-member", "org", "user")
 
 
 class KeySource(Protocol):
     async def keys_generation(self) -> int: ...
     async def active_keys(self) -> Sequence: ...
     async def revoked_key_hashes(self) -> Sequence[tuple[str, datetime]]: ...
+    # Optional: tenancy_snapshot() -> llmgw.store.Tree (with people and limits). A source
+    # without it gives principals with no tree, only the cluster defaults.
+
+
+def _chain(key, tree) -> list[tuple[str, object]]:
+    """(pool key, limits row or None) for every level of the key's chain."""
+    owner = getattr(key, "user_id", None)
+    proj = tree.projects.get(getattr(key, "project_id", None)) if tree is not None else None
+    levels: list[tuple[str, str, str]] = [("key", key.id, f"key:{key.id}")]
+    if proj is not None:
+        for scope, sid in (("project", proj.id), ("team", proj.team_id), ("org", proj.org_id)):
+            if owner:
+                levels.append((f"{scope}-member", sid, f"{scope}-member:{sid}:{owner}"))
+            levels.append((scope, sid, f"{scope}:{sid}"))
+    if owner:
+        levels.append(("user", owner, f"user:{owner}"))
+    lims = tree.limits if tree is not None else {}
+    return [(pool_key, lims.get((scope, sid))) for scope, sid, pool_key in levels]
+
+
+def build_principal(key, tree=None, default_rpm: int | None = None,
+                    default_tpm: int | None = None) -> Principal:
+    """A key's principal: its band (the key's, else the nearest level's up the tree, else
+    normal), a pool for every level that sets a rate or a budget, the cluster defaults
+    as the key's own `default:` pool for each kind no level limits, and the models the
+    intersection of every allow-list on the chain allows."""
+    chain = _chain(key, tree)
+    proj = tree.projects.get(getattr(key, "project_id", None)) if tree is not None else None
+    pools: list[Pool] = []
+    models: frozenset[str] | None = None
+    for pool_key, lim in chain:
+        if lim is None:
+            continue
+        if lim.rpm is not None or lim.tpm is not None or lim.budget_micros is not None:
+            pools.append(Pool(pool_key, lim.rpm, lim.tpm, lim.budget_micros, lim.period))
+        if lim.models is not None:
+            allowed = frozenset(lim.models)
+            models = allowed if models is None else models & allowed
+    default = Pool(f"default:{key.id}",
+                   default_rpm if not any(p.rpm is not None for p in pools) else None,
+                   default_tpm if not any(p.tpm is not None for p in pools) else None)
+    if default.rpm is not None or default.tpm is not None:
+        # The defaults are the key's own: a key-level entry, right after the key's pool.
+        at = 1 if pools and pools[0].scope == "key" else 0
+        pools.insert(at, default)
+    band = getattr(key, "band", None)
+    if band is None and proj is not None:
+        for scope, sid in (("project", proj.id), ("team", proj.team_id), ("org", proj.org_id)):
+            lim = tree.limits.get((scope, sid))
+            if lim is not None and lim.band is not None:
+                band = lim.band
+                break
+    return Principal(
+        key_id=key.id, key_prefix=key.prefix,
+        project=proj.path if proj is not None else (None if getattr(key, "user_id", None) else key.project),
+        expires_at=key.expires_at, project_id=proj.id if proj else None,
+        team_id=proj.team_id if proj else None, org_id=proj.org_id if proj else None,
+        user_id=getattr(key, "user_id", None), band=band or DEFAULT_BAND,
+        pools=tuple(pools), models=models)
 
 
 class AuthError(Exception):
@@ -30,10 +93,14 @@ class AuthError(Exception):
 class KeyCache:
     """Maps sha256(secret) to a principal; revoked keys are kept to say so."""
 
-    def __init__(self, source: KeySource, poll_interval: float = 1.0) -> None:
+    def __init__(self, source: KeySource, poll_interval: float = 1.0, *,
+                 default_rpm: int | None = None, default_tpm: int | None = None) -> None:
         self._source = source
         self._poll = poll_interval
+        self.default_rpm = default_rpm
+        self.default_tpm = default_tpm
         self._active: dict[str, Principal] = {}
+        self._suspended: set[str] = set()  # hashes of keys whose owner is suspended
         self._revoked: dict[str, datetime] = {}
         self._generation: int | None = None
         self._task: asyncio.Task | None = None
@@ -44,11 +111,19 @@ class KeyCache:
 
     async def load(self) -> None:
         generation = await self._source.keys_generation()
-        active = {k.hash: Principal(key_id=k.id, key_prefix=k.prefix, project=k.project, expires_at=k.expires_at)
-                  for k in await self._source.active_keys()}
+        snapshot = getattr(self._source, "tenancy_snapshot", None)
+        tree = await snapshot() if snapshot is not None else None
+        active: dict[str, Principal] = {}
+        suspended: set[str] = set()
+        for k in await self._source.active_keys():
+            owner = tree.users.get(getattr(k, "user_id", None) or "") if tree is not None else None
+            if owner is not None and owner.state != "active":
+                suspended.add(k.hash)
+                continue
+            active[k.hash] = build_principal(k, tree, self.default_rpm, self.default_tpm)
         revoked = dict(await self._source.revoked_key_hashes())
-        # Swap whole dicts: a request never sees a half-built table.
-        self._active, self._revoked, self._generation = active, revoked, generation
+        # Swap whole tables: a request never sees a half-built one.
+        self._active, self._revoked, self._suspended, self._generation = active, revoked, suspended, generation
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch(), name="key cache")
@@ -85,6 +160,8 @@ class KeyCache:
             when = self._revoked.get(digest)
             if when is not None:
                 raise AuthError(f"this api key was revoked on {when:%Y-%m-%d %H:%M} UTC", "revoked_api_key")
+            if digest in self._suspended:
+                raise AuthError("the account that owns this api key is suspended", "suspended_api_key")
             raise AuthError("the api key is not valid", "invalid_api_key")
         if p.expires_at is not None and p.expires_at <= datetime.now(timezone.utc):
             raise AuthError(f"this api key expired on {p.expires_at:%Y-%m-%d %H:%M} UTC", "expired_api_key")
