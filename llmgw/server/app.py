@@ -10,6 +10,7 @@ import signal
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
 
 from aiohttp import web
 
@@ -70,7 +71,7 @@ class Server:
             self.store = await Store.open(cfg.auth.store)
         except Exception as exc:
             raise StartError(f"auth.store: {exc}") from exc
-        self.keys = KeyCache(self.store)
+        self.keys = KeyCache(self.store, default_rpm=cfg.auth.default_rpm, default_tpm=cfg.auth.default_tpm)
         await self.keys.load()
         if cfg.mirror is not None:
             try:
@@ -85,6 +86,8 @@ class Server:
         self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit)
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
+        if self.gateway.accountant is not None:
+            await self._restore_budgets()
         if self.catalog is not None:
             self.models_changed()
         await self.gateway.start()
@@ -135,6 +138,23 @@ class Server:
         if self.store is not None:
             await self.store.close()
             self.store = None
+
+    async def _restore_budgets(self) -> None:
+        """Budgets survive a restart: this month's and today's spend, folded back into every pool."""
+        assert self.store is not None and self.gateway is not None and self.gateway.accountant is not None
+        now = datetime.now(timezone.utc)
+        today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+        month = today.replace(day=1)
+        rows = []
+        # Two reads, so daily budgets see only today while monthly ones see the whole month.
+        for since, until, at in ((month, today, month), (today, None, now)):
+            if since == until:
+                continue
+            for r in await self.store.usage_cost_since(since, until):
+                rows.append((r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, r.cost_micros, at))
+        self.gateway.accountant.restore(rows)
+        if rows:
+            log.info("budgets restored from %d usage total(s) of this month", len(rows))
 
     async def source_check(self, source: str) -> str | None:
         """Why a model's source cannot be served, or None; hf: sources are looked up in

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from llmgw.server.gateway.admission import Admission
     from llmgw.server.gateway.endpoints import EndpointSet
     from llmgw.server.gateway.usage import UsageRecorder
 
@@ -91,6 +92,10 @@ class GatewayMetrics:
         ``llmgw.server.control.fleet_metrics.FleetCollector``, read at scrape time."""
         self.registry.register(collector)
 
+    def watch_admission(self, admission: "Admission", models: Callable[[], list[str]]) -> None:
+        """Export admission's queues, pool saturation and refusals, read at scrape time."""
+        self.registry.register(_AdmissionCollector(admission, models))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -141,3 +146,26 @@ class _StateCollector:
         if self._usage is not None:
             yield GaugeMetricFamily("llmgw_usage_pending", "Usage rows waiting to be written to the store.", value=self._usage.pending)
             yield CounterMetricFamily("llmgw_usage_dropped", "Usage rows dropped because the store did not keep up.", value=self._usage.dropped)
+
+
+class _AdmissionCollector:
+    def __init__(self, admission: "Admission", models: Callable[[], list[str]]) -> None:
+        self._admission = admission
+        self._models = models
+
+    def collect(self) -> Iterable[Metric]:
+        st = self._admission.stats(self._models())
+        depth = GaugeMetricFamily("llmgw_admission_queue_depth", "Requests waiting for admission, by model.",
+                                  labels=["model"])
+        for model, n in sorted(st.queue_depth.items()):
+            depth.add_metric([model], n)
+        sat = GaugeMetricFamily("llmgw_pool_saturation",
+                                "The worse of queue depth and KV-cache use against healthy levels; 1 is the healthy limit.",
+                                labels=["model"])
+        for model, v in sorted(st.saturation.items()):
+            sat.add_metric([model], v)
+        rejected = CounterMetricFamily("llmgw_admission_rejected", "Requests turned away by admission, by band.",
+                                       labels=["band"])
+        for band, n in sorted(st.rejected.items()):
+            rejected.add_metric([band], n)
+        return [depth, sat, rejected]

@@ -16,9 +16,9 @@ A check goes, in this order, and stops at the first refusal:
 3. tokens per minute on the request's estimated tokens, likewise; the estimate
    is settled to the real count when the reply ends.
 
-Rate pools are token buckets: capacity the per-minute limit, refilled at
-limit/60 a second. A full bucket carries no information, so an idle one is
-dropped. Everything here is synchronous and never awaits: on one event loop
+Rate pools are sliding windows: at most the limit in any 60 seconds, so 500
+requests at once at a key limited to 100 a minute admit exactly 100 however
+long they take to arrive. An idle window carries no information and is dropped. Everything here is synchronous and never awaits: on one event loop
 a check, a settlement or a cancellation is atomic, so counts are exact under
 any concurrency without locks.
 """
@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from llmgw.server.gateway.principal import Pool, Principal
 
 MICROS = 1_000_000
-_SWEEP_EVERY = 60.0  # seconds of clock between drops of full buckets and stale spend
+_SWEEP_EVERY = 60.0  # seconds of clock between drops of idle windows and stale spend
+WINDOW_S = 60.0  # rate limits are per minute
 
 
 def utcnow() -> datetime:
@@ -112,30 +114,54 @@ class Pricing:
 # --------------------------------------------------------------------- counters
 
 
-class _Bucket:
-    """A token bucket: `level` left at clock time `stamp`, refilled at cap/60 a second."""
+class _Window:
+    """What a pool used in the last 60 seconds, as (time, amount) entries and their sum.
 
-    __slots__ = ("level", "stamp", "cap")
+    A sliding window rather than a token bucket: "100 a minute" then means at most
+    100 in any 60 seconds, so 500 requests at once admit exactly 100 however long
+    they take to arrive, where a bucket would refill a few more on the way.
+    Entries are lists so a reservation can adjust its own later (settle, refund).
+    """
 
-    def __init__(self, cap: int, now: float):
-        self.level = float(cap)
-        self.stamp = now
+    __slots__ = ("cap", "used", "log")
+
+    def __init__(self, cap: int) -> None:
         self.cap = cap
-
-    def refill(self, now: float, cap: int) -> float:
-        if cap != self.cap:  # the limit changed: keep what was used, within the new capacity
-            self.level -= self.cap - cap
-            self.cap = cap
-        lvl = self.level + (now - self.stamp) * cap / 60.0
-        if lvl > cap:
-            lvl = float(cap)
-        self.level = lvl
-        self.stamp = now
-        return lvl
+        self.used = 0.0
+        self.log: deque[list[float]] = deque()
 
     def peek(self, now: float) -> float:
-        lvl = self.level + (now - self.stamp) * self.cap / 60.0
-        return float(self.cap) if lvl > self.cap else lvl
+        """What is left now."""
+        log = self.log
+        cutoff = now - WINDOW_S
+        while log and log[0][0] <= cutoff:
+            self.used -= log.popleft()[1]
+        if not log:
+            self.used = 0.0  # no float drift carried across idle periods
+        return self.cap - self.used
+
+    def take(self, now: float, amount: float) -> list[float]:
+        entry = [now, amount]
+        self.log.append(entry)
+        self.used += amount
+        return entry
+
+    def adjust(self, entry: list[float], now: float, delta: float) -> None:
+        """Change what a past charge counts for; one that already left the window no longer counts."""
+        if entry[0] > now - WINDOW_S:
+            entry[1] += delta
+            self.used += delta
+        elif delta > 0:
+            self.take(now, delta)  # tokens counted after their request's minute passed
+
+    def wait_for(self, now: float, need: float) -> float:
+        """Seconds until `need` fits."""
+        short = need - (self.cap - self.used)
+        for at, amount in self.log:
+            short -= amount
+            if short <= 0:
+                return max(at + WINDOW_S - now, 0.0)
+        return WINDOW_S
 
 
 class _Spend:
@@ -212,6 +238,9 @@ class Reservation:
     started_at: float  # the accountant's clock
     done: bool = False
     cost_micros: int = 0
+    # The window entries this request was counted in, to settle or refund them.
+    rpm_taken: list = field(default_factory=list)
+    tpm_taken: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,8 +302,8 @@ class Accountant:
         self.pricing = pricing if pricing is not None else Pricing()
         self._clock = clock
         self._wall = wall
-        self._rpm: dict[str, _Bucket] = {}
-        self._tpm: dict[str, _Bucket] = {}
+        self._rpm: dict[str, _Window] = {}
+        self._tpm: dict[str, _Window] = {}
         self._spend: dict[str, _Spend] = {}
         self._periods: _Periods | None = None
         self._next_sweep = clock() + _SWEEP_EVERY
@@ -312,79 +341,59 @@ class Accountant:
                 if spent >= budget:
                     raise self._budget_refusal(principal, pool, spent, per)
 
-        # 2. requests per minute; 3. tokens per minute on the estimate. Refill inlined: this is the hot path.
+        # 2. requests per minute; 3. tokens per minute on the estimate.
         est = estimated_tokens if estimated_tokens > 0 else 0
         rpm_pools: list[Pool] = []
-        rpm_buckets: list[_Bucket] = []
-        rb = self._rpm
+        rpm_taken: list[tuple[_Window, list[float]]] = []
+        rw = self._rpm
         for pool in pools:
             cap = pool.rpm
             if cap is None:
                 continue
-            b = rb.get(pool.key)
-            if b is None:
-                b = rb[pool.key] = _Bucket(cap, now)
-                lvl = float(cap)
-            elif b.cap == cap:
-                lvl = b.level + (now - b.stamp) * cap / 60.0
-                if lvl > cap:
-                    lvl = float(cap)
-                b.stamp = now
-            else:
-                lvl = b.refill(now, cap)
-            if lvl >= 1.0:
-                b.level = lvl - 1.0
+            w = rw.get(pool.key)
+            if w is None:
+                w = rw[pool.key] = _Window(cap)
+            w.cap = cap  # the limit may have changed; what was used still counts
+            if w.peek(now) >= 1.0:
                 rpm_pools.append(pool)
-                rpm_buckets.append(b)
+                rpm_taken.append((w, w.take(now, 1.0)))
                 continue
-            b.level = lvl
-            for cb in rpm_buckets:
-                self._give(cb, 1.0)
-            wait = (1.0 - lvl) * 60.0 / cap
+            self._refund(rpm_taken, now)
+            wait = w.wait_for(now, 1.0)
             raise LimitError(
                 429, f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute; "
                 f"retry in {_seconds(wait)}", "rate_limited", wait, self._refusal_headers(principal, now, wait))
         tpm_pools: list[Pool] = []
-        tpm_buckets: list[_Bucket] = []
-        tb = self._tpm
+        tpm_taken: list[tuple[_Window, list[float]]] = []
+        tw = self._tpm
         for pool in pools:
             cap = pool.tpm
             if cap is None:
                 continue
-            b = tb.get(pool.key)
-            if b is None:
-                b = tb[pool.key] = _Bucket(cap, now)
-                lvl = float(cap)
-            elif b.cap == cap:
-                lvl = b.level + (now - b.stamp) * cap / 60.0
-                if lvl > cap:
-                    lvl = float(cap)
-                b.stamp = now
-            else:
-                lvl = b.refill(now, cap)
-            # An estimate larger than the whole minute's allowance goes when the bucket is full.
+            w = tw.get(pool.key)
+            if w is None:
+                w = tw[pool.key] = _Window(cap)
+            w.cap = cap
+            # An estimate larger than the whole minute's allowance goes when nothing else is counted.
             need = est if est < cap else cap
-            if lvl >= need:
-                b.level = lvl - est
+            if w.peek(now) >= need:
                 tpm_pools.append(pool)
-                tpm_buckets.append(b)
+                tpm_taken.append((w, w.take(now, float(est))))
                 continue
-            b.level = lvl
-            for cb in tpm_buckets:
-                self._give(cb, est)
-            for cb in rpm_buckets:
-                self._give(cb, 1.0)
-            wait = (need - lvl) * 60.0 / cap
+            self._refund(tpm_taken, now)
+            self._refund(rpm_taken, now)
+            wait = w.wait_for(now, need)
             raise LimitError(
                 429, f"the token rate of {describe(pool.key)} is at its limit of {cap} a minute "
                 f"(this request needs about {est}); retry in {_seconds(wait)}", "tokens_limited", wait,
                 self._refusal_headers(principal, now, wait))
-        return Reservation(principal, model, pools, tuple(rpm_pools), tuple(tpm_pools), est, now)
+        return Reservation(principal, model, pools, tuple(rpm_pools), tuple(tpm_pools), est, now,
+                           rpm_taken=rpm_taken, tpm_taken=tpm_taken)
 
     @staticmethod
-    def _give(b: _Bucket, amount: float) -> None:
-        lvl = b.level + amount
-        b.level = lvl if lvl < b.cap else float(b.cap)
+    def _refund(taken: list[tuple[_Window, list[float]]], now: float) -> None:
+        for w, entry in taken:
+            w.adjust(entry, now, -entry[1])
 
     def _budget_refusal(self, principal: Principal, pool: Pool, spent: int, per: _Periods) -> LimitError:
         ends = per.ends(pool.period)
@@ -412,15 +421,8 @@ class Accountant:
         actual = max(prompt_tokens, 0) + max(completion_tokens, 0)
         diff = actual - reservation.estimated_tokens
         if diff:
-            tb = self._tpm
-            for pool in reservation.tpm_pools:
-                cap = pool.tpm
-                assert cap is not None
-                b = tb.get(pool.key)
-                if b is None:  # dropped while full
-                    b = tb[pool.key] = _Bucket(cap, now)
-                lvl = b.refill(now, cap) - diff
-                b.level = lvl if lvl < cap else float(cap)
+            for w, entry in reservation.tpm_taken:
+                w.adjust(entry, now, float(diff))
         cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
         if cost:
             per = self._current_periods()
@@ -439,16 +441,8 @@ class Accountant:
             return
         reservation.done = True
         now = self._clock()
-        for pools, table, amount in ((reservation.rpm_pools, self._rpm, 1.0),
-                                     (reservation.tpm_pools, self._tpm, float(reservation.estimated_tokens))):
-            for pool in pools:
-                b = table.get(pool.key)
-                if b is None:  # dropped because it was full: nothing to refund into
-                    continue
-                cap = pool.rpm if table is self._rpm else pool.tpm
-                assert cap is not None
-                b.refill(now, cap)
-                self._give(b, amount)
+        self._refund(reservation.rpm_taken, now)
+        self._refund(reservation.tpm_taken, now)
 
     # ----------------------------------------------------------------- status
 
@@ -581,11 +575,11 @@ class Accountant:
         return per
 
     def _sweep(self, now: float) -> None:
-        """Drop full rate buckets (they carry nothing) and spend of past periods."""
+        """Drop idle rate windows (they carry nothing) and spend of past periods."""
         self._next_sweep = now + _SWEEP_EVERY
         for table in (self._rpm, self._tpm):
-            full = [k for k, b in table.items() if b.peek(now) >= b.cap]
-            for k in full:
+            idle = [k for k, w in table.items() if w.peek(now) >= w.cap and not w.log]
+            for k in idle:
                 del table[k]
         per = self._current_periods()
         stale = [k for k, s in self._spend.items() if s.month_key != per.month_key]

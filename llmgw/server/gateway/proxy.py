@@ -19,9 +19,11 @@ import orjson
 from aiohttp import web
 
 from llmgw.config.server import ModelConfig, ServerConfig
+from llmgw.server.gateway.admission import Admission, AdmissionRejected, Ticket, pool_capacity, pool_saturation
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.limits import Accountant, LimitError, Pricing, Reservation
 from llmgw.server.gateway.routing import RouterCollector
 from llmgw.server.gateway.usage import UsageRecorder
 from llmgw.server.metrics import GatewayMetrics
@@ -109,6 +111,16 @@ class Gateway:
         except ValueError:
             pass  # already registered (a second Gateway on the same metrics)
         self.set_models(config.models)
+        # Limits apply to keys; without auth there is nobody to hold to them.
+        self.accountant = Accountant(Pricing.from_config(config.auth)) if config.auth.enabled else None
+        a = config.admission
+        self.admission: Admission | None = None
+        if a.enabled:
+            self.admission = Admission(
+                a, lambda m: pool_saturation(endpoints, m, a.healthy_waiting, a.kv_ceiling),
+                capacity=lambda m: pool_capacity(endpoints, m, a.healthy_waiting))
+            metrics.watch_admission(self.admission, lambda: list(endpoints.by_model))
+        self._admission_task: asyncio.Task | None = None
         t = config.timeouts
         self._timeout = aiohttp.ClientTimeout(total=t.generation, sock_connect=t.connect)
         self._session: aiohttp.ClientSession | None = None
@@ -144,8 +156,16 @@ class Gateway:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
         self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
                                               auto_decompress=False, skip_auto_headers=("User-Agent",))
+        if self.admission is not None:
+            # Waiters move when fresh engine numbers arrive, not only when a request ends.
+            self._admission_task = asyncio.create_task(self.admission.run(self.config.router.scrape_interval),
+                                                       name="admission")
 
     async def stop(self) -> None:
+        if self._admission_task is not None:
+            self._admission_task.cancel()
+            await asyncio.gather(self._admission_task, return_exceptions=True)
+            self._admission_task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -239,8 +259,34 @@ class Gateway:
             if not client_wants_usage:
                 body["stream_options"] = {**opts, "include_usage": True}
                 changed = True
-        return await self._forward(request, route, principal, served, name, body, raw, changed, stream,
-                                   client_wants_usage, t0)
+        res: Reservation | None = None
+        if self.accountant is not None and (principal.pools or principal.models is not None):
+            try:
+                res = self.accountant.check(principal, served.name, _estimate(raw, body, served))
+            except LimitError as exc:
+                self.metrics.count_request(served.name, route.name, exc.status)
+                return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None)
+        ticket: Ticket | None = None
+        try:
+            if self.admission is not None:
+                ticket = self.admission.try_admit(served.name, principal.band, principal.tenant)
+                if ticket is None:
+                    try:
+                        ticket = await self.admission.wait(served.name, principal.band, principal.tenant)
+                    except AdmissionRejected as exc:
+                        self.metrics.count_request(served.name, route.name, exc.status)
+                        return error_response(exc.status, exc.message, exc.code, headers=exc.headers())
+            resp = await self._forward(request, route, principal, served, name, body, raw, changed, stream,
+                                       client_wants_usage, t0, res)
+            if res is not None and not resp.prepared:
+                resp.headers.update(self.accountant.headers(principal))
+            return resp
+        finally:
+            if ticket is not None:
+                self.admission.release(ticket)
+            if res is not None and not res.done:
+                # It never reached an engine: the request and its tokens are given back.
+                self.accountant.cancel(res)
 
     def _too_large(self, route: Route) -> web.Response:
         return self._refuse(route, "", 413, f"the request body is larger than the {self.max_body} bytes this gateway accepts "
@@ -248,7 +294,7 @@ class Gateway:
 
     async def _forward(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
                        asked: str, body: dict, raw: bytes, changed: bool, stream: bool,
-                       client_wants_usage: bool, t0: float) -> web.StreamResponse:
+                       client_wants_usage: bool, t0: float, res: Reservation | None = None) -> web.StreamResponse:
         assert self._session is not None
         tried: tuple[Endpoint, ...] = ()
         upstream_time = 0.0
@@ -267,7 +313,7 @@ class Gateway:
                 problem = await demand.wait_ready(served.name)
                 if problem is not None:
                     return self._finish_error(route, principal, served, asked, None, stream, t0, upstream_time,
-                                              503, problem, "model_not_ready")
+                                              503, problem, "model_not_ready", res)
                 ep = self.endpoints.choose(served.name, tried, blocks)
             if ep is None and tried:
                 # Every endpoint has been tried once; one that is still in (its breaker
@@ -301,7 +347,7 @@ class Gateway:
                     # The engine may simply be slow; trying another one would double the wait.
                     return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, 504,
                                               f"the engine did not answer within {self.config.timeouts.generation:g}s "
-                                              "(timeouts.generation)", "upstream_timeout")
+                                              "(timeouts.generation)", "upstream_timeout", res)
                 except aiohttp.ClientError as exc:
                     upstream_time += _perf() - t_up
                     ep.record_failure(str(exc) or type(exc).__name__)
@@ -316,13 +362,14 @@ class Gateway:
                     continue
                 if stream and upstream.status == 200 and upstream.content_type == "text/event-stream":
                     return await self._stream(request, route, principal, served, asked, ep, upstream,
-                                              client_wants_usage, t0, t_up, upstream_time)
-                return await self._whole(route, principal, served, asked, ep, upstream, stream, t0, t_up, upstream_time)
+                                              client_wants_usage, t0, t_up, upstream_time, res)
+                return await self._whole(route, principal, served, asked, ep, upstream, stream, t0, t_up, upstream_time,
+                                         res)
             except asyncio.CancelledError:
                 # The client went away; aiohttp cancels the handler, which drops the
                 # engine request too, so the engine stops working for nobody.
                 self.metrics.count_request(served.name, route.name, 499)
-                self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, stream)
+                self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, stream, res)
                 raise
             finally:
                 ep.inflight -= 1
@@ -332,23 +379,23 @@ class Gateway:
         else:
             status, message, code = last_status, last_error, "upstream_unavailable"
         return self._finish_error(route, principal, served, asked, tried[-1] if tried else None, stream, t0,
-                                  upstream_time, status, message, code)
+                                  upstream_time, status, message, code, res)
 
     def _finish_error(self, route: Route, principal: Principal, served: ServedModel, asked: str,
                       ep: Endpoint | None, stream: bool, t0: float, upstream_time: float, status: int,
-                      message: str, code: str) -> web.Response:
+                      message: str, code: str, res: Reservation | None = None) -> web.Response:
         resp = error_response(status, message, code)
         elapsed = _perf() - t0
         resp.headers["Server-Timing"] = _timing(elapsed - upstream_time, upstream_time)
         self.metrics.count_request(served.name, route.name, status)
         if ep is not None:
             # It reached an engine, so it is usage: an operator wants to see failures per key.
-            self._record(principal, served, asked, ep, 0, 0, elapsed, None, status, stream)
+            self._record(principal, served, asked, ep, 0, 0, elapsed, None, status, stream, res)
         return resp
 
     async def _whole(self, route: Route, principal: Principal, served: ServedModel, asked: str, ep: Endpoint,
                      upstream: aiohttp.ClientResponse, stream: bool, t0: float, t_up: float,
-                     upstream_before: float) -> web.StreamResponse:
+                     upstream_before: float, res: Reservation | None = None) -> web.StreamResponse:
         try:
             data = await upstream.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -357,7 +404,8 @@ class Gateway:
             upstream_time = upstream_before + _perf() - t_up
             status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
             return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, status,
-                                      f"the engine's reply broke off: {exc or type(exc).__name__}", "upstream_error")
+                                      f"the engine's reply broke off: {exc or type(exc).__name__}", "upstream_error",
+                                      res)
         t_done = _perf()
         upstream.release()
         status = upstream.status
@@ -382,12 +430,13 @@ class Gateway:
         self.metrics.count_request(served.name, route.name, status)
         self.metrics.observe_latency(served.name, elapsed)
         self.metrics.count_tokens(served.name, prompt, completion)
-        self._record(principal, served, asked, ep, prompt, completion, elapsed, None, status, stream)
+        self._record(principal, served, asked, ep, prompt, completion, elapsed, None, status, stream, res)
         return resp
 
     async def _stream(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
                       asked: str, ep: Endpoint, upstream: aiohttp.ClientResponse, client_wants_usage: bool,
-                      t0: float, t_up: float, upstream_before: float) -> web.StreamResponse:
+                      t0: float, t_up: float, upstream_before: float,
+                      res: Reservation | None = None) -> web.StreamResponse:
         t_headers = _perf()
         resp = _EventStream(status=200)
         resp.content_type = "text/event-stream"
@@ -405,7 +454,7 @@ class Gateway:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             upstream.close()
             ep.record_success()
-            self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, True)
+            self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, True, res)
             self.metrics.count_request(served.name, route.name, 499)
             return resp
         pending = b""
@@ -461,19 +510,34 @@ class Gateway:
         if ttft is not None:
             self.metrics.observe_ttft(served.name, ttft)
         self.metrics.count_tokens(served.name, prompt, completion)
-        self._record(principal, served, asked, ep, prompt, completion, elapsed, ttft, status, True)
+        self._record(principal, served, asked, ep, prompt, completion, elapsed, ttft, status, True, res)
         return resp
 
     def _record(self, principal: Principal, served: ServedModel, asked: str, ep: Endpoint, prompt: int,
-                completion: int, elapsed: float, ttft: float | None, status: int, stream: bool) -> None:
+                completion: int, elapsed: float, ttft: float | None, status: int, stream: bool,
+                res: Reservation | None = None) -> None:
+        cost = 0
+        if res is not None and self.accountant is not None:
+            # Priced by the model that served it; tokens settled to what the engine counted.
+            cost = self.accountant.settle(res, prompt, completion)
         if self.usage is None:
             return
         self.usage.record(UsageRow(
             key_id=principal.key_id, project=principal.project, model=asked, served_model=served.name,
             endpoint=ep.url, prompt_tokens=prompt, completion_tokens=completion,
             latency_ms=elapsed * 1000.0, ttft_ms=None if ttft is None else ttft * 1000.0,
-            status=status, stream=stream,
+            status=status, stream=stream, user_id=principal.user_id, project_id=principal.project_id,
+            team_id=principal.team_id, org_id=principal.org_id, cost_micros=cost,
         ))
+
+
+def _estimate(raw: bytes, body: dict, served: ServedModel) -> int:
+    """Tokens a request may use, before the engine says: about four bytes of JSON a
+    prompt token, plus what it may generate. Settled to the real count at the end."""
+    out = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(out, int) or out <= 0:
+        out = served.max_output or 256
+    return len(raw) // 4 + out
 
 
 def _timing(own: float, upstream: float) -> str:

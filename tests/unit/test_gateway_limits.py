@@ -1,0 +1,188 @@
+"""Limits, budgets and admission through the real gateway, in front of fake engines.
+
+Exactness under load: 500 concurrent requests at a key limited to 100 a minute
+admit exactly 100; a budget is not overspent by more than the requests in flight
+when it was reached; settled spend equals the sum of the usage rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from llmgw.config import parse_server_config
+from llmgw.server.app import Server
+from llmgw.testing.fake_engine import FakeEngine
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _server(tmp_path, engines: list[FakeEngine], **overrides) -> Server:
+    cfg = {
+        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "auth": {"store": str(tmp_path / "gw.db"),
+                 "pricing": {"m": {"prompt_per_1k": 1.0, "completion_per_1k": 2.0}}},
+        "router": {"scrape_interval": "100ms"},
+        "models": [{"name": "m", "endpoints": [{"url": e.url, "engine": "llamacpp"} for e in engines]},
+                   {"name": "free", "endpoints": [{"url": e.url, "engine": "llamacpp", "model": "m"} for e in engines]}],
+    }
+    for k, v in overrides.items():
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    server = Server(parse_server_config(cfg))
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def fleet(tmp_path):
+    engines = [await FakeEngine(tokens=5).start() for _ in range(2)]
+    server = await _server(tmp_path, engines)
+    store = server.store
+    await store.add_org("Acme")
+    await store.add_team("platform", "Acme")
+    await store.add_project("gateway", "Acme/platform")
+    issued = await store.issue_key("load", project="Acme/platform/gateway")
+    server.test_dir = tmp_path
+    yield server, engines, issued
+    await server.stop()
+    for e in engines:
+        await e.stop()
+
+
+def _client(server: Server, secret: str) -> httpx.AsyncClient:
+    # All 500 are sent at once; at most 100 connections keep the listen backlog (128) from
+    # overflowing on a small machine, which resets connections instead of answering.
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.config.listen.port}", timeout=60, limits=limits,
+                             headers={"Authorization": f"Bearer {secret}"})
+
+
+def _chat(model: str = "m") -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5}
+
+
+async def test_500_concurrent_requests_at_100_a_minute_admit_exactly_100(fleet):
+    server, engines, issued = fleet
+    await server.store.set_limits("key", issued.key.id, rpm=100)
+    await server.keys.load()
+    async with _client(server, issued.secret) as http:
+        replies = await asyncio.gather(*(http.post("/v1/chat/completions", json=_chat()) for _ in range(500)))
+    codes = [r.status_code for r in replies]
+    assert codes.count(200) == 100 and codes.count(429) == 400
+    refused = next(r for r in replies if r.status_code == 429)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-limit-requests"] == "100"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "the request rate of key" in refused.json()["error"]["message"]
+    ok = next(r for r in replies if r.status_code == 200)
+    assert ok.headers["x-ratelimit-limit-requests"] == "100"
+    assert sum(e.requests_total for e in engines) == 100
+
+
+async def test_a_budget_is_not_overspent_beyond_what_was_in_flight(fleet):
+    server, engines, issued = fleet
+    # One request costs about (prompt + 5 completion tokens) at 1 and 2 per 1k: a few
+    # thousandths of a unit; a budget of 0.05 lasts a handful of requests.
+    await server.store.set_limits("project", "Acme/platform/gateway", budget_micros=50_000, period="day")
+    await server.keys.load()
+    acct = server.gateway.accountant
+    pool = f"project:{issued.key.project_id}"
+    async with _client(server, issued.secret) as http:
+        served = 0
+        while True:
+            # Waves of 20 at once: each wave is in flight together when the budget is reached.
+            replies = await asyncio.gather(*(http.post("/v1/chat/completions", json=_chat()) for _ in range(20)))
+            codes = [r.status_code for r in replies]
+            served += codes.count(200)
+            if 429 in codes:
+                break
+        refused = next(r for r in replies if r.status_code == 429)
+        assert "budget of project" in refused.json()["error"]["message"]
+        spent = acct.spent(pool, "day")
+        rows = [r for r in await _rows(server) if r.status == 200]
+        per_request = max(r.cost_micros for r in rows)
+        # Overspend bounded by one wave in flight.
+        assert 50_000 <= spent <= 50_000 + 20 * per_request
+        # A model priced at nothing is still served with the budget spent.
+        assert (await http.post("/v1/chat/completions", json=_chat("free"))).status_code == 200
+
+
+async def _rows(server: Server):
+    await server.usage.flush()
+    return await server.store.list_usage(limit=10_000)
+
+
+async def test_concurrent_settlement_leaves_every_pool_equal_to_its_usage_rows(fleet):
+    server, engines, issued = fleet
+    user = await server.store.create_user("ann@example.com", "correct horse")
+    await server.store.join(user.id, "team", "Acme/platform")
+    own = await server.store.issue_key("ann", project="Acme/platform/gateway", owner=user.id)
+    await server.store.set_limits("org", "Acme", budget_micros=10**12)
+    await server.store.set_limits("team", "Acme/platform", tpm=10**7)
+    await server.store.set_limits("project", "Acme/platform/gateway", per_member=True, rpm=10**6)
+    await server.store.set_limits("user", user.id, budget_micros=10**12, period="day")
+    await server.keys.load()
+    async with _client(server, issued.secret) as a, _client(server, own.secret) as b:
+        await asyncio.gather(*(c.post("/v1/chat/completions", json=_chat()) for c in [a, b] * 150))
+    rows = await _rows(server)
+    acct = server.gateway.accountant
+    principal_b = server.keys.authenticate(f"Bearer {own.secret}")
+    org = principal_b.org_id
+    assert acct.spent(f"org:{org}") == sum(r.cost_micros for r in rows if r.org_id == org) > 0
+    assert acct.spent(f"user:{user.id}", "day") == sum(r.cost_micros for r in rows if r.user_id == user.id) > 0
+    assert all(r.project_id == issued.key.project_id and r.team_id == principal_b.team_id for r in rows)
+    # A restart restores the budgets from those rows.
+    spent_before = acct.spent(f"org:{org}")
+    await server.stop()
+    again = await _server(server.test_dir, engines)
+    try:
+        assert again.gateway.accountant.spent(f"org:{org}") == spent_before
+        assert again.gateway.accountant.spent(f"user:{user.id}", "day") == acct.spent(f"user:{user.id}", "day")
+    finally:
+        await again.stop()
+        await server.start()  # the fixture stops it again
+
+
+async def test_a_key_may_use_only_its_allowed_models(fleet):
+    server, engines, issued = fleet
+    await server.store.set_limits("team", "Acme/platform", models=["m"])
+    await server.keys.load()
+    async with _client(server, issued.secret) as http:
+        assert (await http.post("/v1/chat/completions", json=_chat("m"))).status_code == 200
+        r = await http.post("/v1/chat/completions", json=_chat("free"))
+    assert r.status_code == 403 and "may not use free" in r.json()["error"]["message"]
+
+
+async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
+    engines = [await FakeEngine(tokens=5).start()]
+    server = await _server(tmp_path, engines, admission={"queue_timeout": "300ms", "healthy_waiting": 1})
+    try:
+        issued = await server.store.create_key("k")
+        secret = issued[0]
+        await server.keys.load()
+        # The engine reports a long queue: the pool is saturated, requests wait and time out.
+        engines[0].waiting = 50
+        await asyncio.sleep(0.4)  # a scrape sees it
+        async with _client(server, secret) as http:
+            r = await http.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert int(r.headers["retry-after"]) >= 1
+        async with httpx.AsyncClient() as plain:
+            metrics = (await plain.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics")).text
+        assert 'llmgw_admission_rejected_total{band="normal"} 1.0' in metrics
+        assert 'llmgw_pool_saturation{model="m"}' in metrics
+        engines[0].waiting = 0
+        await asyncio.sleep(0.4)
+        async with _client(server, secret) as http:
+            assert (await http.post("/v1/chat/completions", json=_chat())).status_code == 200
+    finally:
+        await server.stop()
+        for e in engines:
+            await e.stop()
