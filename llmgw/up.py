@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,8 +35,8 @@ from typing import Callable
 import httpx
 import yaml
 
-from llmgw.agent.provision import llamacpp_source
 from llmgw.config.server import DEFAULT_LLAMACPP
+from llmgw.mirror.api import source_url
 from llmgw.pki import (CA_CERT, CA_KEY, PKIError, common_name, init_ca, issue_client, issue_server, load_ca,
                        load_cert, load_pair, san_names, verify_issued_by)
 from llmgw.protocol import ProvisionState
@@ -46,7 +48,10 @@ log = logging.getLogger("llmgw.up")
 STARTER_REPO = "Qwen/Qwen2.5-0.5B-Instruct-GGUF"
 STARTER_FILE = "qwen2.5-0.5b-instruct-q4_k_m.gguf"
 STARTER_NAME = "qwen2.5-0.5b-instruct"
+STARTER_SOURCE = f"hf:{STARTER_REPO}/{STARTER_FILE}"
+STARTER_VERSION = "starter"  # fixed: a later run finds the version it fetched and reuses it
 TINY_NAME = "tiny-test"
+TINY_VERSION = "v1"
 
 
 class UpError(Exception):
@@ -55,8 +60,11 @@ class UpError(Exception):
 
 @dataclass
 class Choice:
-    path: Path
+    """The model `up` serves: what clients call it, and the catalog source the agent loads it from."""
+
+    source: str  # a URL on up's mirror, or the path of the user's own file (served where it is)
     name: str
+    file: str  # the file's name, for the messages
     noise: bool = False  # the tiny test model: its replies are random text
 
 
@@ -65,59 +73,10 @@ def default_dir() -> Path:
     return Path(base) / "llmgw" / "up"
 
 
-def hf_endpoint() -> str:
-    # The same variable huggingface_hub reads, so an internal mirror works for both.
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def download_starter(progress: Callable[[int, int | None], None], say: Callable[[str], None]) -> Path | None:
-    """The starter model, downloaded once (resumed when interrupted); None when it cannot be reached."""
-    target = llamacpp_source.cache_dir() / "models" / STARTER_FILE
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    part = target.with_name(target.name + ".part")
-    url = f"{hf_endpoint()}/{STARTER_REPO}/resolve/main/{STARTER_FILE}"
-    have = part.stat().st_size if part.exists() else 0
-    headers = {"Range": f"bytes={have}-"} if have else {}
-    timeout = httpx.Timeout(30.0, connect=10.0)
-    try:
-        with httpx.stream("GET", url, headers=headers, follow_redirects=True, timeout=timeout) as r:
-            if r.status_code == 416:  # the part file is already whole
-                pass
-            elif r.status_code not in (200, 206):
-                say(f"the starter model could not be downloaded from {url}: HTTP {r.status_code}")
-                return None
-            else:
-                if r.status_code == 200:
-                    have = 0
-                length = r.headers.get("Content-Length")
-                total = have + int(length) if length and length.isdigit() else None
-                with open(part, "ab" if have else "wb") as f:
-                    done = have
-                    for chunk in r.iter_bytes(1 << 20):
-                        f.write(chunk)
-                        done += len(chunk)
-                        progress(done, total)
-                if total is not None and done != total:
-                    say(f"the download of {STARTER_FILE} stopped at {done} of {total} bytes; run again to resume")
-                    return None
-    except httpx.HTTPError as exc:
-        say(f"the starter model could not be downloaded from {hf_endpoint()} ({type(exc).__name__}: {exc})")
-        return None
-    with open(part, "rb") as f:
-        if f.read(4) != b"GGUF":
-            part.unlink()
-            say(f"what {url} sent is not a GGUF file; it was discarded")
-            return None
-    os.replace(part, target)
-    return target
 
 
 # ---- certificates ------------------------------------------------------------
@@ -209,8 +168,9 @@ def _write_yaml(path: Path, data: dict) -> Path:
 
 def write_server_config(workdir: Path, model: Choice, pki: Pki, *, port: int, admin_port: int, agent_port: int,
                         host: str, ctx_size: int, parallel: int, release_url: str | None = None,
-                        llamacpp: str = DEFAULT_LLAMACPP) -> Path:
-    """server.yaml: the gateway, the control plane with the agent listener on loopback, the model in its catalog."""
+                        llamacpp: str = DEFAULT_LLAMACPP, mirror_api: str | None = None) -> Path:
+    """server.yaml: the gateway, the control plane with the agent listener on loopback, the model in its catalog,
+    and up's mirror (its management API on loopback), so `llmgw ctl mirror …` works against it."""
     cfg = {
         "listen": f"{host}:{port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
@@ -223,12 +183,14 @@ def write_server_config(workdir: Path, model: Choice, pki: Pki, *, port: int, ad
                     "base_backoff": "5s", "max_backoff": "60s"},
         "engines": {"llamacpp": llamacpp, "release_url": release_url},
         "auth": {"enabled": True, "store": str(workdir / "llmgw.db")},
+        "mirror": {"api": mirror_api} if mirror_api else None,
         "models": [{
             "name": model.name,
             "description": ("Random-weight test model: its replies are noise" if model.noise
-                            else f"{model.path.name}, served by llama.cpp"),
-            # A path is never fetched: the node, this machine, loads it where it is.
-            "source": str(model.path.resolve()),
+                            else f"{model.file}, served by llama.cpp"),
+            # A mirror URL is fetched by the agent like any node's weights; a path (the user's own
+            # file) is never fetched: the node, this machine, loads it where it is.
+            "source": model.source,
             "scaling": {"min": 1},
             "profiles": [{"engine": "llamacpp",
                           "args": ["--ctx-size", str(ctx_size), "--parallel", str(parallel)]}],
@@ -253,11 +215,55 @@ def write_agent_config(workdir: Path, pki: Pki, agent_port: int) -> Path:
     return _write_yaml(workdir / "agent.yaml", cfg)
 
 
-def agent_command(config_path: Path) -> list[str]:
-    """How to run this llmgw's own agent: the one-file build is its own executable."""
+def llmgw_command(*args: str) -> list[str]:
+    """How to run this llmgw itself: the one-file build is its own executable."""
     if getattr(sys, "frozen", False):
-        return [sys.executable, "agent", "--config", str(config_path)]
-    return [sys.executable, "-m", "llmgw.cli.main", "agent", "--config", str(config_path)]
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "llmgw.cli.main", *args]
+
+
+def agent_command(config_path: Path) -> list[str]:
+    """How to run this llmgw's own agent."""
+    return llmgw_command("agent", "--config", str(config_path))
+
+
+def _port_free(port: object) -> bool:
+    if not isinstance(port, int) or not 1024 <= port <= 65535:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def mirror_ports(workdir: Path) -> tuple[int, int]:
+    """The mirror's two loopback ports (bytes, API): the last run's while they are free, so the catalog
+    source stays the same URL and the agent's cached copy of the weights is used again; new ones
+    otherwise. Remembered in ``workdir``/mirror.json."""
+    path = workdir / "mirror.json"
+    try:
+        kept = json.loads(path.read_text())
+        ports = (kept["listen"], kept["api"])
+    except (OSError, ValueError, KeyError, TypeError):
+        ports = (None, None)
+    if ports[0] != ports[1] and all(_port_free(p) for p in ports):
+        return ports  # type: ignore[return-value]
+    listen = free_port()
+    api = free_port()
+    while api == listen:
+        api = free_port()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"listen": listen, "api": api}) + "\n")
+    os.replace(tmp, path)
+    return listen, api
+
+
+def mirror_command(root: Path, listen: str, api_listen: str, base: str) -> list[str]:
+    """How to run this llmgw's own mirror over ``root``; its API is left on loopback (allowed: this machine)."""
+    return llmgw_command("mirror", "--dir", str(root), "serve", "--listen", listen, "--api-listen", api_listen,
+                         "--base", base, "--api-allow", "127.0.0.1")
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -267,19 +273,22 @@ def tail(path: Path, lines: int = 20) -> str:
         return "(no log)"
 
 
-class AgentProcess:
-    """The local agent, a process of its own; it stops the engines it started when it stops."""
+class Child:
+    """A process `up` starts beside itself, logging to a file, in a session of its own."""
 
-    def __init__(self, config_path: Path, log_path: Path) -> None:
-        self.cmd = agent_command(config_path)
+    what = "a process"
+
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.cmd = cmd
         self.log_path = log_path
+        self.env = env
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log_file:
-            # Its own session: a Ctrl-C reaches `up` alone, which stops the agent in order.
+            # Its own session: a Ctrl-C reaches `up` alone, which stops the others in order.
             self.proc = subprocess.Popen(self.cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
 
     @property
     def pid(self) -> int | None:
@@ -292,19 +301,67 @@ class AgentProcess:
         return tail(self.log_path, lines)
 
     def stop(self, timeout: float = 40.0) -> None:
-        """SIGTERM (the agent then stops its engines), SIGKILL to its group when it does not end in time."""
+        """SIGTERM, then SIGKILL to its group when it does not end in time."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            log.warning("the agent did not stop within %.0fs; killing it", timeout)
+            log.warning("%s did not stop within %.0fs; killing it", self.what, timeout)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.proc.wait(5)
+
+
+class AgentProcess(Child):
+    """The local agent, a process of its own; it stops the engines it started when it stops (SIGTERM)."""
+
+    what = "the agent"
+
+    def __init__(self, config_path: Path, log_path: Path) -> None:
+        super().__init__(agent_command(config_path), log_path)
+
+
+class MirrorProcess(Child):
+    """`llmgw mirror serve` over ``root``: bytes on one loopback port, the management API on another.
+
+    It inherits up's environment, so HF_ENDPOINT and HF_TOKEN reach its fetcher.
+    """
+
+    what = "the mirror"
+
+    def __init__(self, root: Path, log_path: Path, weights_port: int | None = None, api_port: int | None = None) -> None:
+        self.root = root
+        self.weights_port = weights_port or free_port()
+        self.api_port = api_port or free_port()
+        self.base = f"http://127.0.0.1:{self.weights_port}"
+        self.api = f"http://127.0.0.1:{self.api_port}"
+        super().__init__(mirror_command(root, f"127.0.0.1:{self.weights_port}", f"127.0.0.1:{self.api_port}",
+                                        self.base), log_path)
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        super().start()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until its management API answers; UpError with its last log lines when it does not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            rc = self.exited()
+            if rc is not None:
+                raise UpError(f"the mirror exited with status {rc}; its last lines ({self.log_path}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.api}/v1/health", timeout=2.0, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise UpError(f"the mirror did not answer within {timeout:.0f}s; its last lines "
+                              f"({self.log_path}):\n{self.tail()}")
+            time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:
@@ -521,11 +578,13 @@ Press Ctrl-C to stop.
 
 
 async def run_system(config_path: Path, agent: AgentProcess, model: str, key_name: str,
-                     status: Callable[[str], None], on_ready: Callable[[str], None]) -> None:
+                     status: Callable[[str], None], on_ready: Callable[[str], None],
+                     mirror: Child | None = None) -> None:
     """The control plane and gateway in this process, the agent beside it; serve until a signal.
 
     Stops in order: the agent first (it stops its engines), then any engine
-    still running (the last guard), then the control plane.
+    still running (the last guard), then the control plane. The mirror, started
+    before, is watched here and stopped by the caller.
     """
     from llmgw.config import load_server_config
 
@@ -556,6 +615,9 @@ async def run_system(config_path: Path, agent: AgentProcess, model: str, key_nam
             rc = agent.exited()
             if rc is not None and not stop.is_set():
                 raise UpError(f"the agent exited with status {rc}; its last lines ({agent.log_path}):\n{agent.tail()}")
+            rc = mirror.exited() if mirror is not None else None
+            if rc is not None and not stop.is_set():
+                raise UpError(f"the mirror exited with status {rc}; its last lines ({mirror.log_path}):\n{mirror.tail()}")
     finally:
         for t in (watch, waiter):
             if t is not None and not t.done():
@@ -570,22 +632,106 @@ async def run_system(config_path: Path, agent: AgentProcess, model: str, key_nam
             loop.remove_signal_handler(sig)
 
 
-def choose_model(model: str | None, name: str | None, say: Callable[[str], None],
-                 progress: Callable[[int, int | None], None], offline: bool) -> Choice:
-    if model:
-        path = Path(model).expanduser()
-        if not path.is_file():
-            raise UpError(f"--model {model}: no such file; give the path of a .gguf file")
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise UpError(f"--model {model}: not a GGUF file (llama.cpp loads .gguf files)")
-        return Choice(path, name or path.stem.lower())
-    starter = None if offline else download_starter(progress, say)
-    if starter is not None:
-        return Choice(starter, name or STARTER_NAME)
-    say("using the tiny test model instead: it loads in a moment, but its weights are random, "
-        "so its replies are noise. Give --model PATH.gguf for a real model.")
-    return Choice(tiny_model_path(), name or TINY_NAME, noise=True)
+# ---- the model ---------------------------------------------------------------------
+
+OnBytes = Callable[[int, int | None], None]
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        return resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}"
+
+
+def fetch_into_mirror(api: str, base: str, source: str, model: str, version: str, progress: OnBytes,
+                      say: Callable[[str], None], *, interval: float = 0.5,
+                      client: httpx.Client | None = None) -> str | None:
+    """``source`` in up's mirror as ``model/version``: the URL the agent fetches it from there.
+
+    A version already present is reused (nothing fetched); one that failed or was
+    interrupted is fetched again (the mirror resumes its partial file). Progress
+    comes from the mirror's own counts. None, said why, when the mirror cannot get it.
+    """
+    own = client is None
+    c = client or httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0), trust_env=False)  # loopback: no proxy
+    where = f"{api}/v1/models/{model}/{version}"
+    try:
+        r = c.get(where)
+        if r.status_code == 200 and r.json().get("state") == "present":
+            d = r.json()
+            return source_url(base, model, version, [f["name"] for f in d["files"]])
+        r = c.post(f"{api}/v1/models", json={"source": source, "model": model, "version": version})
+        if r.status_code != 202:
+            say(f"the mirror could not fetch {source}: {_message(r)}")
+            return None
+        d = r.json()
+        url = d["url"]
+        while d.get("state") == "fetching":
+            if d.get("bytes_done") is not None:
+                progress(d["bytes_done"], d.get("bytes_total"))
+            time.sleep(interval)
+            r = c.get(where)
+            if r.status_code != 200:
+                say(f"the mirror lost {model}/{version}: {_message(r)}")
+                return None
+            d = r.json()
+        if d.get("state") != "present":
+            say(f"the mirror could not fetch {source}: {d.get('reason') or d.get('state')}")
+            return None
+        total = d.get("bytes")
+        progress(total or 0, total)
+        return url
+    except httpx.HTTPError as exc:
+        say(f"the mirror's API at {api} did not answer ({type(exc).__name__}: {exc})")
+        return None
+    finally:
+        if own:
+            c.close()
+
+
+def place_in_mirror(root: Path, base: str, file: Path, model: str, version: str) -> str:
+    """A copy of ``file`` at ``root/model/version/<name>`` (the mirror serves hand-copied files); its URL there.
+
+    Copied under a hidden name (never served) and renamed into place; an identical copy is kept.
+    """
+    vdir = root / model / version
+    target = vdir / file.name
+    if not (target.is_file() and target.stat().st_size == file.stat().st_size
+            and target.read_bytes() == file.read_bytes()):
+        vdir.mkdir(parents=True, exist_ok=True)
+        tmp = vdir / f".{file.name}.part"
+        shutil.copyfile(file, tmp)
+        os.replace(tmp, target)
+    return source_url(base, model, version, [file.name])
+
+
+def own_model(model: str, name: str | None) -> Choice:
+    """The user's own .gguf, checked; served where it is (gigabytes are not copied into the mirror)."""
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise UpError(f"--model {model}: no such file; give the path of a .gguf file")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise UpError(f"--model {model}: not a GGUF file (llama.cpp loads .gguf files)")
+    return Choice(str(path.resolve()), name or path.stem.lower(), path.name)
+
+
+TINY_WORDS = ("using the tiny test model instead: it loads in a moment, but its weights are random, "
+              "so its replies are noise. Give --model PATH.gguf for a real model.")
+
+
+def mirrored_model(mirror: MirrorProcess, name: str | None, say: Callable[[str], None], progress: OnBytes,
+                   offline: bool, fetch: Callable[..., str | None] = fetch_into_mirror) -> Choice:
+    """The starter model through the mirror; the tiny test model, placed in the mirror, when it cannot be had."""
+    if not offline:
+        url = fetch(mirror.api, mirror.base, STARTER_SOURCE, STARTER_NAME, STARTER_VERSION, progress, say)
+        if url is not None:
+            return Choice(url, name or STARTER_NAME, STARTER_FILE)
+    say(TINY_WORDS)
+    tiny = tiny_model_path()
+    url = place_in_mirror(mirror.root, mirror.base, tiny, TINY_NAME, TINY_VERSION)
+    return Choice(url, name or TINY_NAME, tiny.name, noise=True)
 
 
 def check_llama_server(explicit: str) -> Path:

@@ -74,7 +74,7 @@ def test_a_broken_authority_is_replaced_with_everything_it_signed(tmp_path):
 def _choice(tmp_path: Path, noise: bool = False) -> up.Choice:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 16)
-    return up.Choice(model, "my-model", noise=noise)
+    return up.Choice(str(model.resolve()), "my-model", model.name, noise=noise)
 
 
 def test_server_config_runs_the_model_through_the_control_plane(tmp_path):
@@ -86,6 +86,7 @@ def test_server_config_runs_the_model_through_the_control_plane(tmp_path):
     assert cfg.agent_tls.ca == str(pki.ca) and cfg.agent_tls.cert == str(pki.server)
     assert cfg.auth.store == str(tmp_path / "llmgw.db") and cfg.metrics_listen is None
     assert cfg.engines.llamacpp == DEFAULT_LLAMACPP and cfg.engines.release_url is None
+    assert cfg.mirror is None
     (m,) = cfg.models
     assert m.name == "my-model" and m.source == str((tmp_path / "m.gguf").resolve()) and m.scaling.min == 1
     (p,) = m.profiles
@@ -98,6 +99,31 @@ def test_server_config_can_name_a_release_mirror(tmp_path):
     path = up.write_server_config(tmp_path, _choice(tmp_path), pki, port=1, admin_port=2, agent_port=3, host="",
                                   ctx_size=1, parallel=1, release_url="http://127.0.0.1:9/")
     assert load_server_config(path).engines.release_url == "http://127.0.0.1:9/"
+
+
+def test_server_config_names_ups_mirror_and_its_source(tmp_path):
+    pki, _ = up.ensure_pki(tmp_path)
+    choice = up.Choice("http://127.0.0.1:18081/tiny-test/v1/t.gguf", "tiny-test", "t.gguf", noise=True)
+    path = up.write_server_config(tmp_path, choice, pki, port=1, admin_port=2, agent_port=3, host="",
+                                  ctx_size=1, parallel=1, mirror_api="http://127.0.0.1:18082")
+    cfg = load_server_config(path)
+    assert cfg.mirror.api == "http://127.0.0.1:18082" and cfg.mirror.tls is None
+    (m,) = cfg.models
+    assert m.source == "http://127.0.0.1:18081/tiny-test/v1/t.gguf" and "noise" in m.description
+
+
+def test_mirror_ports_are_kept_while_free(tmp_path):
+    import socket
+
+    first = up.mirror_ports(tmp_path)
+    assert first[0] != first[1] and up.mirror_ports(tmp_path) == first  # the same source URL on the next run
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", first[1]))
+        again = up.mirror_ports(tmp_path)
+    assert again != first and again[1] != first[1]
+    assert up.mirror_ports(tmp_path) == again
+    (tmp_path / "mirror.json").write_text("not json")
+    assert len(set(up.mirror_ports(tmp_path))) == 2
 
 
 def test_agent_config_keeps_everything_under_the_data_directory(tmp_path):
@@ -115,6 +141,17 @@ def test_agent_command(monkeypatch, tmp_path):
     assert up.agent_command(cfg) == [sys.executable, "-m", "llmgw.cli.main", "agent", "--config", str(cfg)]
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     assert up.agent_command(cfg) == [sys.executable, "agent", "--config", str(cfg)]
+
+
+def test_mirror_command(monkeypatch, tmp_path):
+    args = ["mirror", "--dir", str(tmp_path), "serve", "--listen", "127.0.0.1:1", "--api-listen", "127.0.0.1:2",
+            "--base", "http://127.0.0.1:1", "--api-allow", "127.0.0.1"]
+    assert up.mirror_command(tmp_path, "127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:1") == \
+        [sys.executable, "-m", "llmgw.cli.main", *args]
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    m = up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)
+    assert m.cmd[0] == sys.executable and m.cmd[1] == "mirror" and "llmgw.cli.main" not in m.cmd
+    assert (m.base, m.api) == ("http://127.0.0.1:18081", "http://127.0.0.1:18082")
 
 
 def test_a_given_llama_server_is_offered_as_a_release(tmp_path):
