@@ -198,3 +198,21 @@ def release_files(binary: Path, tag: str) -> dict[str, bytes]:
     archive = release_archive(binary, tag)
     digest = hashlib.sha256(archive).hexdigest()
     return {f"/{tag}/{asset}": archive, f"/{tag}/{asset}.sha256": f"{digest}  {asset}\n".encode()}
+
+
+def wait_until(cond, timeout: float, what: str, procs: list, detail=None):
+    """Poll ``cond`` until it returns something true (an HTTP error counts as not yet);
+    on timeout fail with ``detail()`` and the tail of every process's log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = cond()
+        except httpx.HTTPError:
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            logs = "\n\n".join(f"--- {p.log}\n{p.text()[-2500:]}" for p in procs)
+            extra = f"; {detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out waiting for {what}{extra}\n{logs}")
+        time.sleep(0.2)

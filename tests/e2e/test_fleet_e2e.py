@@ -17,7 +17,7 @@ import openai
 import pytest
 import yaml
 
-from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files
+from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -61,18 +61,7 @@ class Fleet:
             return {}
 
     def wait(self, cond, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got = cond()
-            except httpx.HTTPError:
-                got = None
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                logs = "\n\n".join(f"--- {p.log}\n{p.text()[-2500:]}" for p in self.procs)
-                raise AssertionError(f"timed out waiting for {what}; replicas: {self._safe_replicas()}\n{logs}")
-            time.sleep(0.2)
+        return wait_until(cond, timeout, what, self.procs, lambda: f"replicas: {self._safe_replicas()}")
 
     def _safe_replicas(self):
         try:

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -25,7 +24,7 @@ import openai
 import pytest
 import yaml
 
-from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_http
+from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_http, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -124,21 +123,6 @@ def _raw_get(port: int, path: str) -> tuple[int, bytes]:
     body = resp.read()
     conn.close()
     return resp.status, body
-
-
-def _wait(cond, timeout: float, what: str, procs: list[Proc]):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = cond()
-        except httpx.HTTPError:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            logs = "\n\n".join(f"--- {p.log}\n{p.text()[-2500:]}" for p in procs)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.2)
 
 
 def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_model, tmp_path):
@@ -246,7 +230,7 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         }))
         agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log", env=env)
         procs.append(agent)
-        rows = _wait(lambda: [r for r in httpx.get(gw.admin + "/api/v1/replicas").json()["replicas"]
+        rows = wait_until(lambda: [r for r in httpx.get(gw.admin + "/api/v1/replicas").json()["replicas"]
                               if r["state"] == "ready"], 120, "the replica from the mirror to be ready", procs)
         engine_pids = [s["pid"] for r in rows for s in r["shards"] if s.get("pid")]
         # The engine and the weights both came from the mirror.
