@@ -291,22 +291,24 @@ def test_exactly_100_of_500_with_gather():
 
 
 def test_a_minute_later_admits_again_and_retry_after():
-    # A sliding window: at most 60 in any 60 seconds; a place frees when its request is a minute old.
-    acc, clock, _ = accountant()
+    # A sliding window of one-second slots: at most 60 in the last 60 seconds; a place
+    # frees when the second its request was counted in is a minute old.
+    acc, clock, _ = accountant()  # t = 1000.0
     p = principal(Pool("key:k1", rpm=60))
-    for i in range(60):
+    acc.check(p, "m", 1)
+    clock.t += 1.5
+    for _ in range(59):
         acc.check(p, "m", 1)
-        clock.t += 0.5 if i == 0 else 0.0
     with pytest.raises(LimitError) as e:
         acc.check(p, "m", 1)
-    assert e.value.retry_after == pytest.approx(59.5)  # the first request leaves the window then
-    assert e.value.headers["retry-after"] == "60"
-    assert e.value.message == "the request rate of key k1 is at its limit of 60 a minute; retry in 60 s"
-    clock.t += 59.5
+    assert e.value.retry_after == pytest.approx(58.5)  # the first request's second (1000) leaves at 1060
+    assert e.value.headers["retry-after"] == "59"
+    assert e.value.message == "the request rate of key k1 is at its limit of 60 a minute; retry in 59 s"
+    clock.t = 1060.0
     acc.check(p, "m", 1)  # the first one left: exactly one place
     with pytest.raises(LimitError) as e:
         acc.check(p, "m", 1)
-    assert e.value.retry_after == pytest.approx(0.5)
+    assert e.value.retry_after == pytest.approx(1.0)  # the 59 of second 1001 leave at 1061
     clock.t += 60
     for _ in range(60):
         acc.check(p, "m", 1)

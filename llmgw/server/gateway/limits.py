@@ -16,9 +16,9 @@ A check goes, in this order, and stops at the first refusal:
 3. tokens per minute on the request's estimated tokens, likewise; the estimate
    is settled to the real count when the reply ends.
 
-Rate pools are sliding windows: at most the limit in any 60 seconds, so 500
-requests at once at a key limited to 100 a minute admit exactly 100 however
-long they take to arrive. An idle window carries no information and is dropped. Everything here is synchronous and never awaits: on one event loop
+Rate pools are sliding windows of one-second slots: at most the limit in the
+last 60 seconds, so 500 requests at once at a key limited to 100 a minute
+admit exactly 100 however long they take to arrive. An idle window carries no information and is dropped. Everything here is synchronous and never awaits: on one event loop
 a check, a settlement or a cancellation is atomic, so counts are exact under
 any concurrency without locks.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -37,7 +36,7 @@ from llmgw.server.gateway.principal import Pool, Principal
 
 MICROS = 1_000_000
 _SWEEP_EVERY = 60.0  # seconds of clock between drops of idle windows and stale spend
-WINDOW_S = 60.0  # rate limits are per minute
+_SLOTS = 60  # rate limits are per minute, counted in one-second slots
 
 
 def utcnow() -> datetime:
@@ -115,53 +114,78 @@ class Pricing:
 
 
 class _Window:
-    """What a pool used in the last 60 seconds, as (time, amount) entries and their sum.
+    """What a pool used in the last minute, in one-second slots.
 
-    A sliding window rather than a token bucket: "100 a minute" then means at most
-    100 in any 60 seconds, so 500 requests at once admit exactly 100 however long
-    they take to arrive, where a bucket would refill a few more on the way.
-    Entries are lists so a reservation can adjust its own later (settle, refund).
+    A sliding window rather than a token bucket: "100 a minute" means at most
+    100 counted in the last 60 one-second slots, so 500 requests at once admit
+    exactly 100 however long they take to arrive, where a bucket would refill a
+    few more on the way. Slots rather than a log of every request: a log held a
+    Python object per request for a minute, and at thousands of requests a
+    second the garbage collector's passes over them were the gateway's p99.
+    A charge is identified by its second, so it can be settled or refunded later.
     """
 
-    __slots__ = ("cap", "used", "log")
+    __slots__ = ("cap", "used", "slots", "head")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.used = 0.0
-        self.log: deque[list[float]] = deque()
+        self.slots = [0.0] * _SLOTS
+        self.head = -1  # the latest second seen; slots hold seconds head-59 .. head
+
+    def _advance(self, sec: int) -> None:
+        head = self.head
+        if sec <= head:
+            return
+        slots = self.slots
+        if sec - head >= _SLOTS:
+            for i in range(_SLOTS):
+                slots[i] = 0.0
+            self.used = 0.0
+        else:
+            for s in range(head + 1, sec + 1):
+                i = s % _SLOTS
+                if slots[i]:
+                    self.used -= slots[i]
+                    slots[i] = 0.0
+            if self.used < 1e-9:
+                self.used = 0.0  # no float drift carried across idle periods
+        self.head = sec
 
     def peek(self, now: float) -> float:
         """What is left now."""
-        log = self.log
-        cutoff = now - WINDOW_S
-        while log and log[0][0] <= cutoff:
-            self.used -= log.popleft()[1]
-        if not log:
-            self.used = 0.0  # no float drift carried across idle periods
+        self._advance(int(now))
         return self.cap - self.used
 
-    def take(self, now: float, amount: float) -> list[float]:
-        entry = [now, amount]
-        self.log.append(entry)
+    def take(self, now: float, amount: float) -> int:
+        sec = int(now)
+        self._advance(sec)
+        self.slots[sec % _SLOTS] += amount
         self.used += amount
-        return entry
+        return sec
 
-    def adjust(self, entry: list[float], now: float, delta: float) -> None:
+    def adjust(self, sec: int, now: float, delta: float) -> None:
         """Change what a past charge counts for; one that already left the window no longer counts."""
-        if entry[0] > now - WINDOW_S:
-            entry[1] += delta
+        self._advance(int(now))
+        if sec > self.head - _SLOTS:
+            self.slots[sec % _SLOTS] += delta
             self.used += delta
         elif delta > 0:
             self.take(now, delta)  # tokens counted after their request's minute passed
 
     def wait_for(self, now: float, need: float) -> float:
         """Seconds until `need` fits."""
+        self._advance(int(now))
         short = need - (self.cap - self.used)
-        for at, amount in self.log:
-            short -= amount
+        for s in range(self.head - _SLOTS + 1, self.head + 1):
+            short -= self.slots[s % _SLOTS]
             if short <= 0:
-                return max(at + WINDOW_S - now, 0.0)
-        return WINDOW_S
+                return max(s + _SLOTS - now, 0.0)
+        return float(_SLOTS)
+
+    def idle(self, now: float) -> bool:
+        self._advance(int(now))
+        return self.used == 0.0
 
 
 class _Spend:
@@ -344,7 +368,7 @@ class Accountant:
         # 2. requests per minute; 3. tokens per minute on the estimate.
         est = estimated_tokens if estimated_tokens > 0 else 0
         rpm_pools: list[Pool] = []
-        rpm_taken: list[tuple[_Window, list[float]]] = []
+        rpm_taken: list[tuple[_Window, int, float]] = []
         rw = self._rpm
         for pool in pools:
             cap = pool.rpm
@@ -356,7 +380,7 @@ class Accountant:
             w.cap = cap  # the limit may have changed; what was used still counts
             if w.peek(now) >= 1.0:
                 rpm_pools.append(pool)
-                rpm_taken.append((w, w.take(now, 1.0)))
+                rpm_taken.append((w, w.take(now, 1.0), 1.0))
                 continue
             self._refund(rpm_taken, now)
             wait = w.wait_for(now, 1.0)
@@ -364,7 +388,7 @@ class Accountant:
                 429, f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute; "
                 f"retry in {_seconds(wait)}", "rate_limited", wait, self._refusal_headers(principal, now, wait))
         tpm_pools: list[Pool] = []
-        tpm_taken: list[tuple[_Window, list[float]]] = []
+        tpm_taken: list[tuple[_Window, int, float]] = []
         tw = self._tpm
         for pool in pools:
             cap = pool.tpm
@@ -378,7 +402,7 @@ class Accountant:
             need = est if est < cap else cap
             if w.peek(now) >= need:
                 tpm_pools.append(pool)
-                tpm_taken.append((w, w.take(now, float(est))))
+                tpm_taken.append((w, w.take(now, float(est)), float(est)))
                 continue
             self._refund(tpm_taken, now)
             self._refund(rpm_taken, now)
@@ -391,9 +415,9 @@ class Accountant:
                            rpm_taken=rpm_taken, tpm_taken=tpm_taken)
 
     @staticmethod
-    def _refund(taken: list[tuple[_Window, list[float]]], now: float) -> None:
-        for w, entry in taken:
-            w.adjust(entry, now, -entry[1])
+    def _refund(taken: list[tuple[_Window, int, float]], now: float) -> None:
+        for w, sec, amount in taken:
+            w.adjust(sec, now, -amount)
 
     def _budget_refusal(self, principal: Principal, pool: Pool, spent: int, per: _Periods) -> LimitError:
         ends = per.ends(pool.period)
@@ -421,8 +445,8 @@ class Accountant:
         actual = max(prompt_tokens, 0) + max(completion_tokens, 0)
         diff = actual - reservation.estimated_tokens
         if diff:
-            for w, entry in reservation.tpm_taken:
-                w.adjust(entry, now, float(diff))
+            for w, sec, _ in reservation.tpm_taken:
+                w.adjust(sec, now, float(diff))
         cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
         if cost:
             per = self._current_periods()
@@ -578,7 +602,7 @@ class Accountant:
         """Drop idle rate windows (they carry nothing) and spend of past periods."""
         self._next_sweep = now + _SWEEP_EVERY
         for table in (self._rpm, self._tpm):
-            idle = [k for k, w in table.items() if w.peek(now) >= w.cap and not w.log]
+            idle = [k for k, w in table.items() if w.idle(now)]
             for k in idle:
                 del table[k]
         per = self._current_periods()
