@@ -31,6 +31,7 @@ from llmgw.server.gateway.errors import error_response
 from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.gateway.usage import UsageRecorder
 from llmgw.server.metrics import GatewayMetrics
+from llmgw.server.pages.claim import ClaimPage
 from llmgw.store import Store
 
 log = logging.getLogger("llmgw.server")
@@ -223,6 +224,8 @@ class Server:
         app = web.Application(client_max_size=self.config.router.max_body_bytes,
                               middlewares=[_server_timing, _json_errors])
         self.gateway.add_routes(app)
+        assert self.store is not None
+        ClaimPage(self.store).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         return app

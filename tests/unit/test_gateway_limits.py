@@ -186,3 +186,23 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
         await server.stop()
         for e in engines:
             await e.stop()
+
+
+async def test_a_claim_link_shows_its_key_once(fleet):
+    server, engines, _ = fleet
+    issued = await server.store.issue_key("for-ann", project="Acme/platform/gateway", claim=True)
+    assert issued.claim_token
+    base = f"http://127.0.0.1:{server.config.listen.port}"
+    async with httpx.AsyncClient(base_url=base) as http:
+        # Opening the link (as a chat tool's preview would) spends nothing.
+        page = await http.get(f"/claim/{issued.claim_token}")
+        assert page.status_code == 200 and "Show my key" in page.text and page.headers["cache-control"] == "no-store"
+        r = await http.post(f"/claim/{issued.claim_token}", headers={"Accept": "application/json"})
+        assert r.status_code == 200
+        secret = r.json()["key"]
+        await server.keys.load()
+        ok = await http.post("/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {secret}"})
+        assert ok.status_code == 200
+        again = await http.post(f"/claim/{issued.claim_token}")
+        assert again.status_code == 410 and "it works once" in again.text and secret not in again.text
+        assert (await http.post("/claim/not-a-token")).status_code == 404
