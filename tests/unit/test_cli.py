@@ -160,7 +160,9 @@ def rows(output: str) -> dict[str, str]:
 
 
 def test_ctl_nodes_table(admin):
-    admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": NODES})
+    # last_seen is relative to now, not to when this module was imported.
+    fresh = [{**n, "last_seen": time.time() - 3} if n["last_seen"] else n for n in NODES]
+    admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": fresh})
     r = ctl(admin, "nodes")
     assert r.exit_code == 0, r.output
     t = rows(r.stdout)
@@ -168,7 +170,7 @@ def test_ctl_nodes_table(admin):
                                  "LAST", "SEEN"]
     g1 = t["gpu-1"]
     for want in ("ready", "6/8", "400/512 GiB free", "1.5 TB free of 2.0 TB", "llamacpp b5000",
-                 "vllm installing: downloading wheels 40%", "h100-80g", "ib0", "qwen-1a2b", "s ago"):
+                 "vllm installing: downloading wheels 40%", "h100-80g", "ib0", "qwen-1a2b", "3s ago"):
         assert want in g1, want
     assert "  warning: GPU 3: 2 uncorrected ECC errors" in r.stdout
     assert "cordoned" in t["gpu-2"] and "4/4" in t["gpu-2"] and "l40s-45g" in t["gpu-2"]
