@@ -84,6 +84,16 @@ async def test_500_concurrent_requests_at_100_a_minute_admit_exactly_100(fleet):
     ok = next(r for r in replies if r.status_code == 200)
     assert ok.headers["x-ratelimit-limit-requests"] == "100"
     assert sum(e.requests_total for e in engines) == 100
+    # A stream carries them too, in the headers that leave before its first event.
+    async with _client(server, issued.secret) as http:
+        streamed = await http.post("/v1/chat/completions", json={**_chat(), "stream": True})
+    assert streamed.status_code == 429  # the minute's 100 are spent
+    await server.store.set_limits("key", issued.key.id, rpm=1000)
+    await server.keys.load()
+    async with _client(server, issued.secret) as http:
+        streamed = await http.post("/v1/chat/completions", json={**_chat(), "stream": True})
+    assert streamed.status_code == 200 and streamed.headers["x-ratelimit-limit-requests"] == "1000"
+    assert streamed.headers["x-ratelimit-remaining-requests"] == "899"
 
 
 async def test_a_budget_is_not_overspent_beyond_what_was_in_flight(fleet):

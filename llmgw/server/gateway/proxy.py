@@ -443,6 +443,10 @@ class Gateway:
         resp.headers["Cache-Control"] = "no-cache"
         # Tells nginx not to buffer: a buffered stream arrives in one burst at the end.
         resp.headers["X-Accel-Buffering"] = "no"
+        if res is not None and self.accountant is not None:
+            # A stream's headers leave before its tokens are known: they show the pools
+            # with this request's estimate charged.
+            resp.headers.update(self.accountant.headers(principal))
         upstream_time = upstream_before + t_headers - t_up
         own = _perf() - t0 - upstream_time
         resp.headers["Server-Timing"] = _timing(own, upstream_time)
