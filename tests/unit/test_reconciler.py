@@ -10,6 +10,7 @@ import pytest
 from llmgw.config.server import ModelConfig, ServerConfig
 from llmgw.protocol import (
     GPU,
+    FabricAttachment,
     PROTOCOL_VERSION,
     Ack,
     DrainShard,
@@ -64,7 +65,7 @@ class Fleet:
         self.sent.append((node_id, msg))
 
     def add(self, node_id: str, *, gpus: int = 0, memory_gb: float = 64, labels=None,
-            shards: list[RunningShard] | None = None, engines=("llamacpp", "vllm")) -> None:
+            shards: list[RunningShard] | None = None, engines=("llamacpp", "vllm"), fabrics=None) -> None:
         inv = NodeInventory(memory=MemoryInfo(total_bytes=int(memory_gb * GiB)),
                             gpus=[GPU(index=i, **H100) for i in range(gpus)])
         self.connected.add(node_id)
@@ -72,7 +73,7 @@ class Fleet:
             node_id=node_id, protocol_version=PROTOCOL_VERSION, agent_version="t",
             features=["logs", "remove-weights", "drain"], inventory=inv,
             engine_versions={e: "1" for e in engines}, labels=labels or {},
-            mgmt_addr=f"10.0.0.{len(self.connected)}", shards=shards or []), "10.9.9.9")
+            mgmt_addr=f"10.0.0.{len(self.connected)}", shards=shards or [], fabrics=fabrics), "10.9.9.9")
 
     def report(self, node_id: str, shard_id: str, state: ShardState, **kw) -> None:
         node = self.svc.get(node_id)
@@ -477,3 +478,24 @@ async def test_after_a_start_nothing_is_placed_until_agents_had_time_to_reconnec
     clock.now += 15
     await rec.tick()
     assert len(fleet.starts()) == 1
+
+
+async def test_a_multi_node_replica_starts_its_leader_first_on_one_fabric(clock):
+    fleet = Fleet()
+    fleet.add("g-1", gpus=8, fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0", "mlx5_1"])])
+    fleet.add("g-2", gpus=8, fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_2"])])
+    fleet.add("g-3", gpus=8)  # no fabric: a single-node island
+    big = model("big", gpu=True, profiles=[{"engine": "vllm", "gpu_class": "h100-80g", "tp": 16, "nodes": 2}])
+    rec = make(fleet, [big], clock)
+    await rec.tick()
+    await settle()
+    (n0, s0), (n1, s1) = fleet.starts()
+    assert {n0, n1} == {"g-1", "g-2"} and s0.rank == 0 and s1.rank == 1
+    assert s0.nnodes == s1.nnodes == 2 and s0.replica_id == s1.replica_id
+    leader = fleet.svc.get(n0)
+    assert s1.leader_addr == leader.mgmt_addr and s0.leader_port == s1.leader_port and s0.leader_port
+    assert s0.http_port and s1.http_port is None  # only the leader serves HTTP
+    assert s0.pool == "ib-a/h100-80g" and s0.fabric == "ib-a"
+    hcas = {"g-1": ["mlx5_0", "mlx5_1"], "g-2": ["mlx5_2"]}
+    assert s0.hcas == hcas[n0] and s1.hcas == hcas[n1]
+    assert len(s0.gpus) == len(s1.gpus) == 8

@@ -281,6 +281,11 @@ class Placement:
     nodes: list[tuple[str, tuple[int, ...]]]  # (node id, GPU indexes), rank 0 first
     explanation: str
     ok: bool = dataclasses.field(default=True, init=False)
+    # Multi-node only: the declared fabric the replica formed on (its adapters on each
+    # node go to NCCL), or the NVLink domain it formed in.
+    fabric: str | None = None
+    nvlink_domain: str | None = None
+    adapters: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # node -> adapters
 
 
 @dataclass(frozen=True)
@@ -483,7 +488,11 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | R
     adapters_of = _adapters_for(name)
     chosen = [(v.node_id, _choose_gpus(v, r, adapters_of(v))) for v in members]
     words = "; ".join(f"{nid}: {_gpu_words(v, g)}" for (nid, g), v in zip(chosen, members))
-    return Placement(nodes=chosen, explanation=f"{r.model} on {len(chosen)} nodes in {name}: {words}")
+    fabric = name[len("fabric "):] if name.startswith("fabric ") else None
+    domain = name[len("nvlink domain "):] if name.startswith("nvlink domain ") else None
+    return Placement(nodes=chosen, explanation=f"{r.model} on {len(chosen)} nodes in {name}: {words}",
+                     fabric=fabric, nvlink_domain=domain,
+                     adapters={v.node_id: tuple(adapters_of(v)) for v in members})
 
 
 def _why_single(v: NodeView, gpus: tuple[int, ...], r: PlacementRequest) -> str:

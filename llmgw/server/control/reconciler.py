@@ -839,7 +839,8 @@ class Reconciler:
         except ControlError as exc:
             self.problems[entry.name] = str(exc)
             return
-        pool = _pool(profile, self._shared_fabric([nid for nid, _ in placed]) if nnodes > 1 else None)
+        pl = p.placement
+        pool = _pool(profile, pl.fabric or (f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else None))
         r = Replica(id=rid, model=entry.name, profile=profile.name, profile_fp=profile.fingerprint,
                     engine=profile.engine, pool=pool, memory_gb=profile.min_memory_gb or 0.0, http_port=port,
                     nnodes=nnodes, created=now, created_wall=time.time(), replaces=p.replaces)
@@ -852,7 +853,10 @@ class Reconciler:
                 gpus=list(gpus) or None, http_port=port if rank == 0 else None,
                 rank=rank if nnodes > 1 else None, nnodes=nnodes if nnodes > 1 else None,
                 leader_addr=(leader.mgmt_addr if leader else None) if nnodes > 1 else None,
-                leader_port=leader_port, profile=eprofile, pool=pool, profile_fp=profile.fingerprint)
+                leader_port=leader_port, profile=eprofile, pool=pool, profile_fp=profile.fingerprint,
+                # NCCL is given the chosen fabric's adapters on this node and no others.
+                hcas=list(pl.adapters.get(nid, ())) or None,
+                fabric=f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else pl.fabric)
             r.shards.append(Shard(node_id=nid, shard_id=spec.shard_id, rank=rank, gpus=tuple(gpus), spec=spec,
                                   dispatched_at=now))
             self._shard_index[spec.shard_id] = rid
@@ -879,14 +883,6 @@ class Reconciler:
                 self._fail(r, f"node {s.node_id} refused shard {s.shard_id}: {getattr(ack, 'error', None)}",
                            count=True)
                 return
-
-    def _shared_fabric(self, node_ids: list[str]) -> str | None:
-        common: set[str] | None = None
-        for nid in node_ids:
-            n = self.agents.get(nid)
-            names = {f.fabric for f in (n.fabrics or ())} if n else set()
-            common = names if common is None else common & names
-        return min(common) if common else None
 
     # -- views for the admin API, ctl and metrics ---------------------------------------------
 
