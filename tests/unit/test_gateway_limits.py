@@ -187,6 +187,16 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
         async with httpx.AsyncClient() as plain:
             metrics = (await plain.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics")).text
         assert 'llmgw_admission_rejected_total{band="normal"} 1.0' in metrics
+        # A client may yield to a lower band, never climb above its key's.
+        async with _client(server, secret) as http:
+            for band in ("high", "low"):
+                r = await http.post("/v1/chat/completions", json=_chat(), headers={"X-Llmgw-Band": band})
+                assert r.status_code == 503
+        async with httpx.AsyncClient() as plain:
+            metrics = (await plain.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics")).text
+        assert 'llmgw_admission_rejected_total{band="normal"} 2.0' in metrics
+        assert 'llmgw_admission_rejected_total{band="low"} 1.0' in metrics
+        assert 'llmgw_admission_rejected_total{band="high"} 0.0' in metrics
         assert 'llmgw_pool_saturation{model="m"}' in metrics
         engines[0].waiting = 0
         await asyncio.sleep(0.4)

@@ -115,7 +115,6 @@ class Replica:
     replaces: str | None = None  # drain: the replica this one takes over from
     replaced_by: str | None = None
     endpoint: Endpoint | None = None
-    ready_since: float | None = None
 
     @property
     def node_ids(self) -> list[str]:
@@ -221,7 +220,6 @@ class Reconciler:
         self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
-        self._last_tick = 0.0
         # After a start, agents take a moment to reconnect and describe what they
         # run; placing before then would start engines the fleet already has.
         self.settle = c.unreachable_after
@@ -270,10 +268,6 @@ class Reconciler:
         t.add_done_callback(self._tasks.discard)
 
     # -- the gateway's side -------------------------------------------------------
-
-    def manages(self, model: str) -> bool:
-        entry = self.catalog.get(model)
-        return entry is not None and entry.model.managed
 
     def touch(self, model: str) -> None:
         """A request for ``model`` arrived: it keeps an on-demand model loaded."""
@@ -507,7 +501,6 @@ class Reconciler:
         ep.healthy = True
         ep.health_detail = f"ready (replica {r.id} on {leader.node_id})"
         r.endpoint = ep
-        r.ready_since = self.clock()
         self.endpoints.add(ep)
         log.info("replica %s of %s is ready at %s; serving", r.id, r.model, ep.url)
         b_off = self._backoff.pop(r.model, None)
@@ -637,7 +630,6 @@ class Reconciler:
 
     async def tick(self) -> None:
         async with self._lock:
-            self._last_tick = self.clock()
             starts = self.plan()
             if starts:
                 await asyncio.gather(*(self._start(p) for p in starts))

@@ -19,7 +19,8 @@ import orjson
 from aiohttp import web
 
 from llmgw.config.server import ModelConfig, ServerConfig
-from llmgw.server.gateway.admission import Admission, AdmissionRejected, Ticket, pool_capacity, pool_saturation
+from llmgw.server.gateway.admission import (Admission, AdmissionRejected, Ticket, effective_band, pool_capacity,
+                                            pool_saturation)
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
@@ -32,6 +33,9 @@ from llmgw.store import UsageRow
 log = logging.getLogger("llmgw.gateway")
 
 _perf = time.perf_counter
+
+# A request may ask for a lower admission band than its key's, never a higher one.
+BAND_HEADER = "X-Llmgw-Band"
 
 # Upstream answers that say "this endpoint cannot take it now" rather than
 # "this request is wrong": worth another endpoint, and counted by the breaker.
@@ -269,10 +273,12 @@ class Gateway:
         ticket: Ticket | None = None
         try:
             if self.admission is not None:
-                ticket = self.admission.try_admit(served.name, principal.band, principal.tenant)
+                # A client may yield (a batch job asking for low); the key's band is the ceiling.
+                band = effective_band(principal.band, request.headers.get(BAND_HEADER))
+                ticket = self.admission.try_admit(served.name, band, principal.tenant)
                 if ticket is None:
                     try:
-                        ticket = await self.admission.wait(served.name, principal.band, principal.tenant)
+                        ticket = await self.admission.wait(served.name, band, principal.tenant)
                     except AdmissionRejected as exc:
                         self.metrics.count_request(served.name, route.name, exc.status)
                         return error_response(exc.status, exc.message, exc.code, headers=exc.headers())
