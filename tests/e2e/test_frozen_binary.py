@@ -3,7 +3,8 @@
 It is built fresh into a temporary folder (a couple of minutes), then run from a folder
 outside the checkout with no PYTHON* variables, so nothing can come from the source tree
 or the installed package: `--version`, `server` (store migrations, SQLite driver, uvloop,
-metrics), `keys create`, an authenticated request, and a clean stop on SIGTERM.
+metrics), `keys create`, an authenticated request, a clean stop on SIGTERM, the tenancy
+commands (argon2) and the mirror's GGUF check (its architecture list is a data file).
 """
 
 from __future__ import annotations
@@ -90,6 +91,39 @@ def test_certificate_authority_and_agent_inventory(frozen_llmgw: Path, tmp_path:
         assert r.returncode == 0, f"llmgw {' '.join(args)} exited {r.returncode}:\n{r.stdout}{r.stderr}"
     assert (pki / "ca.pem").exists() and (pki / "node-a.pem").exists()
     assert '"memory"' in r.stdout
+
+
+def test_tenancy_and_the_mirrors_architecture_check(frozen_llmgw: Path, tmp_path: Path) -> None:
+    # argon2 (a compiled extension) for passwords, and the GGUF architecture list, a data
+    # file the mirror reads: both must be in the bundle.
+    import gguf as gguf_lib
+    import numpy as np
+
+    from harness import serve_files
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(frozen_llmgw), *args], cwd=tmp_path, env=_clean_env(),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+
+    store = str(tmp_path / "t.db")
+    for args in (("org", "add", "org", "Acme", "--store", store),
+                 ("users", "create", "ann@example.com", "--password", "correct horse", "--store", store)):
+        r = run(*args)
+        assert r.returncode == 0, f"llmgw {' '.join(args)} exited {r.returncode}:\n{r.stdout}{r.stderr}"
+
+    w = gguf_lib.GGUFWriter(str(tmp_path / "foo.gguf"), "foo")
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    base, stop = serve_files({"/foo.gguf": (tmp_path / "foo.gguf").read_bytes()})
+    try:
+        r = run("mirror", "--dir", str(tmp_path / "mirror"), "add", f"{base}/foo.gguf", "--model", "foo",
+                "--version", "v1")
+    finally:
+        stop()
+    assert r.returncode == 1 and "cannot load architecture 'foo'" in r.stderr, r.stdout + r.stderr
 
 
 class _Server:
