@@ -128,16 +128,28 @@ def _size(n: float | None) -> str:
 
 
 def _print_rows(headers: list[str], rows: list[tuple[list[str], list[str]]]) -> None:
-    """A plain table: columns padded to their widest cell, and under a row any
-    lines of its own (a download, a failure), which do not widen the columns."""
-    widths = [max([len(h), *(len(cells[i]) for cells, _ in rows)]) for i, h in enumerate(headers)]
+    """A rich table, and under a row any lines of its own (a download, a failure).
 
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    Rich has no cell spanning the whole width, and a long line put in a cell would
+    widen its column for every row; so the table is rendered first (one line per
+    row: nothing wraps) and each row's own lines are printed after its line."""
+    import sys
 
-    typer.echo(line(headers))
-    for cells, extra in rows:
-        typer.echo(line(cells))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 2, 0, 0))
+    for h in headers:
+        table.add_column(h, no_wrap=True)
+    for cells, _ in rows:
+        table.add_row(*cells)
+    console = Console(width=100_000, highlight=False, force_terminal=sys.stdout.isatty())
+    with console.capture() as out:
+        console.print(table)
+    lines = [line.rstrip() for line in out.get().splitlines()]
+    typer.echo(lines[0])
+    for (_, extra), line in zip(rows, lines[1:]):
+        typer.echo(line)
         for text in extra:
             typer.echo(text)
 
