@@ -198,6 +198,9 @@ def limits_(
     models: str = typer.Option(None, "--models", help="Allowed models, comma-separated; empty allows none."),
     band: str = typer.Option(None, "--band", help="Admission band (low, normal, high) for an org, team, project or key."),
     clear: bool = typer.Option(False, "--clear", help="Remove every limit of the level."),
+    allow_large_budget: bool = typer.Option(
+        False, "--allow-large-budget", help="Accept a budget of a million units or more (refused otherwise, as "
+        "that is usually a budget given in micro-units)."),
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
@@ -213,7 +216,15 @@ def limits_(
     if budget is not None:
         if budget != budget or budget in (float("inf"),):
             fail(f"--budget must be a number of at least 0, not {budget}")
-        given["budget_micros"] = round(budget * 1_000_000)
+        # Budgets were once given in micro-units; a number that large is almost always that.
+        if budget >= 1_000_000 and not allow_large_budget:
+            fail(f"--budget is in whole units (dollars, euros, credits), not micro-units: {budget:.0f} would allow "
+                 f"{budget:,.0f} a {period or 'month'}. If you meant {budget / 1_000_000:g}, write --budget "
+                 f"{budget / 1_000_000:g}; if you really mean {budget:,.0f}, add --allow-large-budget")
+        micros = budget * 1_000_000
+        if abs(micros - round(micros)) > 1e-6:
+            fail(f"--budget {budget:g} is finer than a millionth of a unit; give at most 6 decimals")
+        given["budget_micros"] = round(micros)
     if period is not None:
         given["period"] = period
     if models is not None:

@@ -161,6 +161,14 @@ def test_keys_limits(db):
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--rpm", "-5", match="negative")
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "-1", match="negative")
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "10USD", match="--budget")
+    # A budget in micro-units (the old unit) is caught: 5000000 was meant as 5.
+    refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "5000000",
+            match="not micro-units: 5000000 would allow 5,000,000 a month. If you meant 5, write --budget 5")
+    refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "0.0000001",
+            match="finer than a millionth of a unit")
+    assert asyncio.run(row()).budget_micros == 12_500_000  # refusals changed nothing
+    ok(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "5000000", "--allow-large-budget")
+    assert asyncio.run(row()).budget_micros == 5_000_000_000_000
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--period", "week", match="day or month")
     refused(db, "keys", "limits", "--scope", "team", "--id", "Acme/nope", "--rpm", "1", match='No team at "Acme/nope"')
     assert "limits cleared on team" in ok(db, "keys", "limits", "--scope", "team", "--id", "platform", "--clear").stdout
