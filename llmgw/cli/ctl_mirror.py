@@ -49,7 +49,7 @@ def mirror_list(admin: str = _ADMIN, as_json: bool = typer.Option(False, "--json
     rows = []
     for v in versions:
         state = v.get("state", "?")
-        size = _size(sum(int(f.get("size") or 0) for f in v.get("files") or ())) if state == "present" else _progress(v)
+        size = _size(v.get("bytes")) if state == "present" else _progress(v)
         extra = []
         if state == "failed" and v.get("reason"):
             extra.append(f"  failed: {v['reason']}")
@@ -109,7 +109,7 @@ def mirror_status(model: str = typer.Argument(...), version: str = typer.Argumen
     typer.echo(f"{model}/{version}: {state}" + (f": {words}" if words else ""))
     for f in v.get("files") or ():
         sha = f"  sha256 {f['sha256']}" if f.get("sha256") else ""
-        typer.echo(f"  {f.get('name')}  {f.get('state')}  {_size(f.get('size') or f.get('bytes_done'))}{sha}")
+        typer.echo(f"  {f.get('name')}  {f.get('state')}  {_size(f.get('bytes') or f.get('bytes_done'))}{sha}")
     if v.get("used_by"):
         typer.echo(f"used by: {', '.join(v['used_by'])}")
 

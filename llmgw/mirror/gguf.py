@@ -160,7 +160,8 @@ def parse_arch_names(source: str) -> list[str]:
         raise GGUFError("llama-arch.cpp has no LLM_ARCH_NAMES map; the generator needs updating")
     names = []
     for enum, name in re.findall(r"\{\s*(LLM_ARCH_\w+)\s*,\s*\"([^\"]*)\"\s*\}", m.group(1)):
-        if enum != "LLM_ARCH_UNKNOWN":  # "(unknown)" is llama.cpp's placeholder, not an architecture
+        # LLM_ARCH_UNKNOWN maps to "(unknown)", which no model file names as its architecture.
+        if enum != "LLM_ARCH_UNKNOWN":
             names.append(name)
     if not names:
         raise GGUFError("llama-arch.cpp's LLM_ARCH_NAMES map yielded no names")

@@ -298,3 +298,20 @@ def test_ctl_models_shows_ready_over_target_and_why_not(admin):
     assert "1/2" in lines[1] and "0/1" in lines[2] and lines[3].split()[0] == "ext"
     assert "qwen: 2 failed start(s) in a row, next attempt in 18s; last: node n1 refused it" in r.stdout
     assert "big: cannot place big:\n  n1 has no GPUs" in r.stdout
+
+
+def test_ctl_mirror_list_and_status_show_sizes_from_the_mirrors_shape(admin):
+    present = {"model": "qwen", "version": "v1", "state": "present", "bytes": 4_000_000_000, "used_by": ["qwen"],
+               "files": [{"name": "q.gguf", "state": "present", "bytes": 4_000_000_000, "sha256": "ab" * 32}]}
+    fetching = {"model": "big", "version": "v2", "state": "fetching", "bytes": 0, "used_by": [],
+                "files": [{"name": "b.gguf", "state": "fetching", "bytes": None, "bytes_done": 300_000_000,
+                           "bytes_total": 1_200_000_000}]}
+    admin.routes[("GET", "/api/v1/mirror")] = (200, {"base": "http://m:8081", "models": [present, fetching]})
+    admin.routes[("GET", "/api/v1/mirror/qwen/v1")] = (200, present)
+    r = ctl(admin, "mirror", "list")
+    assert r.exit_code == 0, r.output
+    t = rows(r.stdout)
+    assert "4.0 GB" in t["qwen"] and "qwen" in t["qwen"].split()[-1]
+    assert "300 MB of 1.2 GB (25%)" in t["big"]
+    r = ctl(admin, "mirror", "status", "qwen", "v1")
+    assert r.exit_code == 0 and "q.gguf  present  4.0 GB  sha256 " in r.stdout, r.output

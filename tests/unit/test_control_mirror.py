@@ -19,7 +19,7 @@ BASE = "http://models.internal:8081"
 
 def version(model="qwen", ver="2026-11-01", state="present", files=None, reason=None) -> dict:
     return {"model": model, "version": ver, "state": state, "reason": reason,
-            "files": files if files is not None else [{"name": "q.gguf", "state": "present", "size": 4 * GiB}]}
+            "files": files if files is not None else [{"name": "q.gguf", "state": "present", "bytes": 4 * GiB}]}
 
 
 def test_entry_from_a_single_gguf():
@@ -29,7 +29,7 @@ def test_entry_from_a_single_gguf():
 
 
 def test_entry_from_a_shard_set_points_at_the_version():
-    files = [{"name": f"q-0000{i}-of-00002.gguf", "state": "present", "size": 2 * GiB} for i in (1, 2)]
+    files = [{"name": f"q-0000{i}-of-00002.gguf", "state": "present", "bytes": 2 * GiB} for i in (1, 2)]
     e = entry_from_version(version(files=files), BASE, name="qwen-big", scaling={"min": 0})
     assert e["source"] == f"{BASE}/qwen/2026-11-01/" and e["name"] == "qwen-big" and e["scaling"] == {"min": 0}
     assert e["profiles"][0]["min_memory_gb"] == 8.0
@@ -40,14 +40,14 @@ def test_entry_refusals_say_why():
         entry_from_version(version(state="fetching"), BASE)
     with pytest.raises(ValueError, match="failed: truncated"):
         entry_from_version(version(state="failed", reason="truncated"), BASE)
-    st = version(files=[{"name": "model.safetensors", "state": "present", "size": GiB},
-                        {"name": "config.json", "state": "present", "size": 100}])
+    st = version(files=[{"name": "model.safetensors", "state": "present", "bytes": GiB},
+                        {"name": "config.json", "state": "present", "bytes": 100}])
     with pytest.raises(ValueError, match="give the GPU class"):
         entry_from_version(st, BASE)
     e = entry_from_version(st, BASE, gpu_class="h100-80g")
     assert e["profiles"][0] == {"engine": "vllm", "gpu_class": "h100-80g", "min_memory_gb": 3.5}
     with pytest.raises(ValueError, match="holds no model weights"):
-        entry_from_version(version(files=[{"name": "README.md", "state": "present", "size": 1}]), BASE)
+        entry_from_version(version(files=[{"name": "README.md", "state": "present", "bytes": 1}]), BASE)
 
 
 class FakeMirror:

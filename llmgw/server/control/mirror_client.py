@@ -117,7 +117,7 @@ def entry_from_version(version: dict, base: str, *, name: str | None = None, gpu
     root = f"{base.rstrip('/')}/{quote(model, safe='')}/{quote(ver, safe='')}/"
     # One file: its own URL; several (a shard set, or weights with their config): the version.
     source = root + quote(files[0]["name"], safe="") if len(files) == 1 else root
-    size = sum(int(f.get("size") or f.get("bytes") or 0) for f in weights)
+    size = sum(int(f.get("bytes") or 0) for f in weights)
     profile: dict[str, Any] = {"engine": engine}
     if gpu_class:
         profile["gpu_class"] = gpu_class
