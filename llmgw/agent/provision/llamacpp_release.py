@@ -36,7 +36,7 @@ from .os_packages import PackageInstaller
 from .runner import Runner, run_command
 from .status import ProvisionError, Reporter, State, Unreachable, Unsupported
 from .verify import (Installed, Marker, find_binary, installed_at, move_into_place, now_utc,
-                     prove_runs, sha256_file, work_dir_beside, write_marker)
+                     prove_runs, sha256_file, still_runs, work_dir_beside, write_marker)
 
 log = logging.getLogger(__name__)
 
@@ -225,17 +225,11 @@ class LlamaCppInstaller:
         reporter.update(variant=build.variant)
         await self.packages.ensure(self.host.family, build.packages, reporter.installing)
 
-        target = self.install_dir(build)
-        existing = installed_at(target)
-        if existing is not None:
-            try:
-                line = await self.check(existing)
-            except ProvisionError as e:
-                log.warning("installed llama.cpp %s no longer runs (%s); installing it again", version, e)
-                reporter.installing(f"the installed {BINARY} no longer runs ({e}); installing it again")
-            else:
-                self._ready(reporter, build, existing.binary, line)
-                return
+        found = await still_runs(self.install_dir(build), self.check, reporter,
+                                 logged=f"llama.cpp {version}", shown=BINARY)
+        if found is not None:
+            self._ready(reporter, build, found[0].binary, found[1])
+            return
         try:
             installed = await self.install(build, reporter, source)
         except Unreachable as e:

@@ -34,7 +34,7 @@ from .os_packages import PackageInstaller
 from .runner import Runner, last_lines, run_command
 from .status import NotHere, ProvisionError, Reporter, State, Unsupported
 from .verify import (Installed, Marker, find_binary, installed_at, move_into_place, now_utc,
-                     prove_runs, sha256_file, work_dir_beside, write_marker)
+                     prove_runs, sha256_file, still_runs, work_dir_beside, write_marker)
 
 log = logging.getLogger(__name__)
 
@@ -260,19 +260,12 @@ class PythonEngineInstaller:
         build = choose_build(engine, version, self.host)
         reporter.update(variant=build.variant)
         await self.packages.ensure(self.host.family, build.packages, reporter.installing)
-        target = self.install_dir(build)
-        existing = installed_at(target)
-        if existing is not None:
-            try:
-                line = await self.check(existing)
-            except ProvisionError as e:
-                log.warning("installed %s %s no longer runs (%s); installing it again", engine, version, e)
-                reporter.installing(f"the installed {build.engine.display} no longer runs ({e}); "
-                                    "installing it again")
-            else:
-                reporter.update(state=State.READY, binary=str(existing.binary),
-                                detail=f"{build.engine.binary} {line}".strip())
-                return
+        found = await still_runs(self.install_dir(build), self.check, reporter,
+                                 logged=f"{engine} {version}", shown=build.engine.display)
+        if found is not None:
+            reporter.update(state=State.READY, binary=str(found[0].binary),
+                            detail=f"{build.engine.binary} {found[1]}".strip())
+            return
         installed = await asyncio.wait_for(self.install(build, reporter), INSTALL_TIMEOUT)
         reporter.update(state=State.READY, binary=str(installed.binary),
                         detail=f"{build.engine.binary} {installed.marker.version_line}".strip())

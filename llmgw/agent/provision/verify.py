@@ -10,6 +10,7 @@ was written, last, into it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,11 +18,16 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 from .llamacpp_source import sha256_file  # noqa: F401 - the installers import it from here with the rest
 from .runner import Runner, last_lines
 from .status import ProvisionError
+
+if TYPE_CHECKING:
+    from .status import Reporter
+
+log = logging.getLogger(__name__)
 
 MARKER = ".llmgw-installed"
 VERSION_TIMEOUT = 60.0
@@ -191,6 +197,24 @@ def installed_at(install_dir: Path) -> Installed | None:
     if rel.is_absolute() or ".." in rel.parts:
         return None
     return Installed(install_dir, m)
+
+
+async def still_runs(install_dir: Path, check: Callable[[Installed], Awaitable[str]],
+                     reporter: Reporter, *, logged: str, shown: str) -> tuple[Installed, str] | None:
+    """The install in ``install_dir`` and its version line if it is there and still runs.
+
+    An install is checked again rather than believed (a library it needs can be
+    removed by somebody's upgrade); one that no longer runs is said to be
+    installed again, and None comes back so the caller does that."""
+    existing = installed_at(install_dir)
+    if existing is None:
+        return None
+    try:
+        return existing, await check(existing)
+    except ProvisionError as e:
+        log.warning("installed %s no longer runs (%s); installing it again", logged, e)
+        reporter.installing(f"the installed {shown} no longer runs ({e}); installing it again")
+        return None
 
 
 # ------------------------------------------------------------------ layout
