@@ -256,13 +256,11 @@ class Reservation:
     principal: Principal
     model: str
     pools: tuple[Pool, ...]  # every pool of the principal: each is charged its cost at settlement
-    rpm_pools: tuple[Pool, ...]  # the pools a request was charged on
-    tpm_pools: tuple[Pool, ...]  # the pools the estimate was charged on
     estimated_tokens: int
     started_at: float  # the accountant's clock
     done: bool = False
     cost_micros: int = 0
-    # The window entries this request was counted in, to settle or refund them.
+    # (window, second, amount) of each charge, to settle or refund it.
     rpm_taken: list = field(default_factory=list)
     tpm_taken: list = field(default_factory=list)
 
@@ -367,55 +365,43 @@ class Accountant:
 
         # 2. requests per minute; 3. tokens per minute on the estimate.
         est = estimated_tokens if estimated_tokens > 0 else 0
-        rpm_pools: list[Pool] = []
-        rpm_taken: list[tuple[_Window, int, float]] = []
-        rw = self._rpm
+        rpm_taken = self._charge(self._rpm, pools, "rpm", 1.0, now, principal, ())
+        tpm_taken = self._charge(self._tpm, pools, "tpm", float(est), now, principal, rpm_taken)
+        return Reservation(principal, model, pools, est, now, rpm_taken=rpm_taken, tpm_taken=tpm_taken)
+
+    def _charge(self, table: dict[str, _Window], pools: tuple[Pool, ...], kind: str, amount: float, now: float,
+                principal: Principal, earlier: list[tuple[_Window, int, float]] | tuple
+                ) -> list[tuple[_Window, int, float]]:
+        """Charge ``amount`` on every pool limiting ``kind`` (rpm or tpm), or refund what this
+        request was charged so far (``earlier`` included) and refuse."""
+        taken: list[tuple[_Window, int, float]] = []
         for pool in pools:
-            cap = pool.rpm
+            cap = pool.rpm if kind == "rpm" else pool.tpm
             if cap is None:
                 continue
-            w = rw.get(pool.key)
+            w = table.get(pool.key)
             if w is None:
-                w = rw[pool.key] = _Window(cap)
+                w = table[pool.key] = _Window(cap)
             w.cap = cap  # the limit may have changed; what was used still counts
-            if w.peek(now) >= 1.0:
-                rpm_pools.append(pool)
-                rpm_taken.append((w, w.take(now, 1.0), 1.0))
-                continue
-            self._refund(rpm_taken, now)
-            wait = w.wait_for(now, 1.0)
-            raise LimitError(
-                429, f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute; "
-                f"retry in {_seconds(wait)}", "rate_limited", wait, self._refusal_headers(principal, now, wait))
-        tpm_pools: list[Pool] = []
-        tpm_taken: list[tuple[_Window, int, float]] = []
-        tw = self._tpm
-        for pool in pools:
-            cap = pool.tpm
-            if cap is None:
-                continue
-            w = tw.get(pool.key)
-            if w is None:
-                w = tw[pool.key] = _Window(cap)
-            w.cap = cap
             # An estimate larger than the whole minute's allowance goes when nothing else is counted.
-            need = est if est < cap else cap
+            need = amount if kind == "rpm" or amount < cap else cap
             if w.peek(now) >= need:
-                tpm_pools.append(pool)
-                tpm_taken.append((w, w.take(now, float(est)), float(est)))
+                taken.append((w, w.take(now, amount), amount))
                 continue
-            self._refund(tpm_taken, now)
-            self._refund(rpm_taken, now)
+            self._refund(taken, now)
+            self._refund(earlier, now)
             wait = w.wait_for(now, need)
-            raise LimitError(
-                429, f"the token rate of {describe(pool.key)} is at its limit of {cap} a minute "
-                f"(this request needs about {est}); retry in {_seconds(wait)}", "tokens_limited", wait,
-                self._refusal_headers(principal, now, wait))
-        return Reservation(principal, model, pools, tuple(rpm_pools), tuple(tpm_pools), est, now,
-                           rpm_taken=rpm_taken, tpm_taken=tpm_taken)
+            if kind == "rpm":
+                msg, code = f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute", "rate_limited"
+            else:
+                msg, code = (f"the token rate of {describe(pool.key)} is at its limit of {cap} a minute "
+                             f"(this request needs about {amount:.0f})"), "tokens_limited"
+            raise LimitError(429, f"{msg}; retry in {_seconds(wait)}", code, wait,
+                             self._refusal_headers(principal, now, wait))
+        return taken
 
     @staticmethod
-    def _refund(taken: list[tuple[_Window, int, float]], now: float) -> None:
+    def _refund(taken: list[tuple[_Window, int, float]] | tuple, now: float) -> None:
         for w, sec, amount in taken:
             w.adjust(sec, now, -amount)
 
