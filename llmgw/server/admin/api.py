@@ -91,15 +91,18 @@ class AdminAPI:
         assert self.s.agents is not None
         now = time.time()
         by_node: dict[str, list[str]] = {}
+        claimed_by_node: dict[str, set[int]] = {}
         for r in rec.replicas.values():
             for nid in dict.fromkeys(r.node_ids):
                 by_node.setdefault(nid, []).append(r.id)
+            for sh in r.shards:
+                if not sh.gone:
+                    claimed_by_node.setdefault(sh.node_id, set()).update(sh.gpus)
         out = []
         for n in self.s.agents.nodes():
             view = node_view(n)
             gpus = n.inventory.gpus if n.inventory and n.inventory.gpus else []
-            claimed = {g for r in rec.replicas.values() for sh in r.shards if sh.node_id == n.node_id and not sh.gone
-                       for g in sh.gpus}
+            claimed = claimed_by_node.get(n.node_id, set())
             storage = n.storage or (n.inventory.storage if n.inventory else None) or []
             disk = next((st for st in storage if not st.shared), None)
             warnings = [f"GPU {g.index}: {'; '.join(g.problems)}" for g in view.gpus if g.problems]

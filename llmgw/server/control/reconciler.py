@@ -569,7 +569,7 @@ class Reconciler:
 
     def _forget(self, r: Replica) -> None:
         if r.failed_reason is not None:
-            row = self._row(r, self.clock())
+            row = self._row(r, self.clock(), self.catalog.get(r.model))
             row["state"] = "failed"
             self._failed_rows[r.model] = row
         self._unpublish(r)
@@ -881,14 +881,15 @@ class Reconciler:
     def replica_rows(self, model: str | None = None) -> list[dict]:
         """Every replica, then the last failed one of each model that has not served since."""
         now = self.clock()
-        rows = [self._row(r, now) for r in sorted(self.replicas.values(), key=lambda r: (r.model, r.created, r.id))
+        entries = {e.name: e for e in self.catalog.models()}
+        rows = [self._row(r, now, entries.get(r.model))
+                for r in sorted(self.replicas.values(), key=lambda r: (r.model, r.created, r.id))
                 if model is None or r.model == model]
         rows += [row for m, row in sorted(self._failed_rows.items())
                  if (model is None or m == model) and row["id"] not in self.replicas]
         return rows
 
-    def _row(self, r: Replica, now: float) -> dict:
-        entry = self.catalog.get(r.model)
+    def _row(self, r: Replica, now: float, entry: CatalogEntry | None) -> dict:
         current = entry.fingerprints.get(r.profile) if entry else None
         stale = bool(r.profile_fp) and current is not None and current != r.profile_fp
         last = self._last_request.get(r.model)
