@@ -43,6 +43,8 @@ import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmgw.files import write_atomic
+
 log = logging.getLogger("llmgw.agent.supervisor")
 
 # Environment markers set in every process the supervisor starts. /proc/<pid>/environ
@@ -1231,7 +1233,7 @@ class Supervisor:
             "sidecars": [p.record() for p in sh.sidecars],
             "started_at": time.time(),
         }
-        _write_atomic(self.shards_dir / f"{sh.spec.shard_id}.json", orjson.dumps(rec, option=orjson.OPT_INDENT_2))
+        write_atomic(self.shards_dir / f"{sh.spec.shard_id}.json", orjson.dumps(rec, option=orjson.OPT_INDENT_2), 0o600)
 
     def _remove_record(self, shard_id: str) -> None:
         with contextlib.suppress(OSError):
@@ -1372,20 +1374,6 @@ async def _wait_port(host: str, port: int, timeout: float) -> bool:
         return True
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _quote(argv: list[str]) -> str:

@@ -10,7 +10,6 @@ import datetime as dt
 import ipaddress
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmgw.files import write_atomic
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca-key.pem"
@@ -103,26 +104,10 @@ def parse_sans(names: list[str]) -> list[x509.GeneralName]:
 # ---- files ---------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Temp file beside the target, then rename, so a reader never sees half a key."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)  # before any byte is written, so a key is never world-readable
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_pair(cert_path: Path, key_path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Issued:
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    _write_atomic(key_path, key_pem, 0o600)
-    _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomic(key_path, key_pem, 0o600)
+    write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return Issued(cert_path, key_path)
 
 
