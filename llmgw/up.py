@@ -36,7 +36,8 @@ import httpx
 import yaml
 
 from llmgw.config.server import DEFAULT_LLAMACPP
-from llmgw.mirror.api import source_url
+from llmgw.mirror.api import default_token_file, ensure_token, source_url
+from llmgw.mirror.layout import MirrorError
 from llmgw.pki import (CA_CERT, CA_KEY, PKIError, common_name, init_ca, issue_client, issue_server, load_ca,
                        load_cert, load_pair, san_names, verify_issued_by)
 from llmgw.protocol import ProvisionState
@@ -168,9 +169,10 @@ def _write_yaml(path: Path, data: dict) -> Path:
 
 def write_server_config(workdir: Path, model: Choice, pki: Pki, *, port: int, admin_port: int, agent_port: int,
                         host: str, ctx_size: int, parallel: int, release_url: str | None = None,
-                        llamacpp: str = DEFAULT_LLAMACPP, mirror_api: str | None = None) -> Path:
+                        llamacpp: str = DEFAULT_LLAMACPP, mirror_api: str | None = None,
+                        mirror_token_file: Path | None = None) -> Path:
     """server.yaml: the gateway, the control plane with the agent listener on loopback, the model in its catalog,
-    and up's mirror (its management API on loopback), so `llmgw ctl mirror …` works against it."""
+    and up's mirror (its management API on loopback, with its token), so `llmgw ctl mirror …` works against it."""
     cfg = {
         "listen": f"{host}:{port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
@@ -183,7 +185,8 @@ def write_server_config(workdir: Path, model: Choice, pki: Pki, *, port: int, ad
                     "base_backoff": "5s", "max_backoff": "60s"},
         "engines": {"llamacpp": llamacpp, "release_url": release_url},
         "auth": {"enabled": True, "store": str(workdir / "llmgw.db")},
-        "mirror": {"api": mirror_api} if mirror_api else None,
+        "mirror": {"api": mirror_api, "token_file": str(mirror_token_file) if mirror_token_file else None}
+        if mirror_api else None,
         "models": [{
             "name": model.name,
             "description": ("Random-weight test model: its replies are noise" if model.noise
@@ -260,10 +263,11 @@ def mirror_ports(workdir: Path) -> tuple[int, int]:
     return listen, api
 
 
-def mirror_command(root: Path, listen: str, api_listen: str, base: str) -> list[str]:
-    """How to run this llmgw's own mirror over ``root``; its API is left on loopback (allowed: this machine)."""
+def mirror_command(root: Path, listen: str, api_listen: str, base: str, token_file: Path) -> list[str]:
+    """How to run this llmgw's own mirror over ``root``; its API is left on loopback (allowed: this machine)
+    and needs the token in ``token_file`` like any mirror's."""
     return llmgw_command("mirror", "--dir", str(root), "serve", "--listen", listen, "--api-listen", api_listen,
-                         "--base", base, "--api-allow", "127.0.0.1")
+                         "--base", base, "--api-allow", "127.0.0.1", "--api-token-file", str(token_file))
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -328,7 +332,10 @@ class AgentProcess(Child):
 class MirrorProcess(Child):
     """`llmgw mirror serve` over ``root``: bytes on one loopback port, the management API on another.
 
-    It inherits up's environment, so HF_ENDPOINT and HF_TOKEN reach its fetcher.
+    It inherits up's environment, so HF_ENDPOINT and HF_TOKEN reach its fetcher (an HF_ENDPOINT on
+    loopback included: the endpoint the operator set is the one local source a mirror fetches from
+    without --allow-local-sources). Its API token is ``<root>.api-token``, made by `up` before the
+    mirror starts, so server.yaml and up's own calls never wait on the mirror's first start.
     """
 
     what = "the mirror"
@@ -339,11 +346,17 @@ class MirrorProcess(Child):
         self.api_port = api_port or free_port()
         self.base = f"http://127.0.0.1:{self.weights_port}"
         self.api = f"http://127.0.0.1:{self.api_port}"
+        self.token_file = default_token_file(root)
+        self.token: str | None = None
         super().__init__(mirror_command(root, f"127.0.0.1:{self.weights_port}", f"127.0.0.1:{self.api_port}",
-                                        self.base), log_path)
+                                        self.base, self.token_file), log_path)
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.token, _ = ensure_token(self.token_file)
+        except MirrorError as exc:
+            raise UpError(str(exc)) from None
         super().start()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -573,6 +586,8 @@ Try it:
   print(reply.choices[0].message.content)
 
 More keys: llmgw keys create --name NAME --config {config_path}
+The cluster: llmgw ctl replicas (it finds the admin token, {config_path.parent / "admin-token"}, by itself
+             when --dir is the default; else add --token-file)
 Press Ctrl-C to stop.
 """
 
@@ -646,7 +661,7 @@ def _message(resp: httpx.Response) -> str:
 
 def fetch_into_mirror(api: str, base: str, source: str, model: str, version: str, progress: OnBytes,
                       say: Callable[[str], None], *, interval: float = 0.5,
-                      client: httpx.Client | None = None) -> str | None:
+                      client: httpx.Client | None = None, token: str | None = None) -> str | None:
     """``source`` in up's mirror as ``model/version``: the URL the agent fetches it from there.
 
     A version already present is reused (nothing fetched); one that failed or was
@@ -656,12 +671,13 @@ def fetch_into_mirror(api: str, base: str, source: str, model: str, version: str
     own = client is None
     c = client or httpx.Client(timeout=httpx.Timeout(60.0, connect=5.0), trust_env=False)  # loopback: no proxy
     where = f"{api}/v1/models/{model}/{version}"
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = c.get(where)
+        r = c.get(where, headers=auth)
         if r.status_code == 200 and r.json().get("state") == "present":
             d = r.json()
             return source_url(base, model, version, [f["name"] for f in d["files"]])
-        r = c.post(f"{api}/v1/models", json={"source": source, "model": model, "version": version})
+        r = c.post(f"{api}/v1/models", json={"source": source, "model": model, "version": version}, headers=auth)
         if r.status_code != 202:
             say(f"the mirror could not fetch {source}: {_message(r)}")
             return None
@@ -671,7 +687,7 @@ def fetch_into_mirror(api: str, base: str, source: str, model: str, version: str
             if d.get("bytes_done") is not None:
                 progress(d["bytes_done"], d.get("bytes_total"))
             time.sleep(interval)
-            r = c.get(where)
+            r = c.get(where, headers=auth)
             if r.status_code != 200:
                 say(f"the mirror lost {model}/{version}: {_message(r)}")
                 return None
@@ -725,7 +741,8 @@ def mirrored_model(mirror: MirrorProcess, name: str | None, say: Callable[[str],
                    offline: bool, fetch: Callable[..., str | None] = fetch_into_mirror) -> Choice:
     """The starter model through the mirror; the tiny test model, placed in the mirror, when it cannot be had."""
     if not offline:
-        url = fetch(mirror.api, mirror.base, STARTER_SOURCE, STARTER_NAME, STARTER_VERSION, progress, say)
+        url = fetch(mirror.api, mirror.base, STARTER_SOURCE, STARTER_NAME, STARTER_VERSION, progress, say,
+                    token=mirror.token)
         if url is not None:
             return Choice(url, name or STARTER_NAME, STARTER_FILE)
     say(TINY_WORDS)

@@ -316,6 +316,9 @@ class Agent:
             plan = plan_shard(self._launch_spec(msg, model), self._engine_settings())
             for w in plan.warnings:
                 log.warning("shard %s: %s", sid, w)
+            if not msg.api_key and plan.serves_http:
+                log.warning("shard %s: the control plane sent no key for its engine (it predates engine keys), so the "
+                            "engine answers anyone who reaches port %s; upgrade the control plane", sid, msg.http_port)
             main = plan.main
             spec = ShardSpec(
                 shard_id=sid, argv=list(main.argv), env=dict(main.env),
@@ -325,6 +328,7 @@ class Agent:
                 sidecars=[Sidecar(argv=list(c.argv), env=dict(c.env)) for c in plan.commands[:-1]],
                 wait_for=f"{main.wait_for[0]}:{main.wait_for[1]}" if main.wait_for else None,
                 meta={"start_shard": msg.model_dump(mode="json", exclude_none=True)},
+                api_key=msg.api_key,
             )
             await self.supervisor.start(spec)
         except asyncio.CancelledError:
@@ -345,6 +349,8 @@ class Agent:
             return None
 
     def _failed(self, msg: StartShard, reason: str) -> None:
+        if msg.api_key:  # a validation error may quote the environment it was given
+            reason = reason.replace(msg.api_key, "[hidden]")
         log.error("shard %s cannot start: %s", msg.shard_id, reason)
         self.send(ShardStatus(shard_id=msg.shard_id, replica_id=msg.replica_id, state=ShardState.FAILED,
                               reason=reason))
@@ -378,6 +384,7 @@ class Agent:
                            fabric_adapters=adapters, interface=self.identity.mgmt_interface,
                            address=self.identity.mgmt_addr),
             fabric=msg.fabric,
+            api_key=msg.api_key,
         )
 
     async def _stop(self, msg: StopShard | DrainShard) -> None:
@@ -409,10 +416,12 @@ class Agent:
             names = metric_names(spec.engine)
             wanted = {*names.running, *names.waiting}
             url = f"http://127.0.0.1:{spec.http_port}/metrics"
+            # llama-server wants the key for /metrics.
+            auth = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
                 while time.monotonic() < deadline:
                     try:
-                        async with http.get(url) as r:
+                        async with http.get(url, headers=auth) as r:
                             text = await r.text()
                     except (aiohttp.ClientError, asyncio.TimeoutError):
                         break  # nothing answers: nothing to wait for
@@ -464,9 +473,9 @@ class Agent:
 
 
 def _engine_host(mgmt_addr: str | None) -> str:
-    """Where engines listen: every interface, so the gateway reaches them by the node's address;
-    loopback alone when the node reaches its control plane over loopback (one machine, `llmgw up`),
-    where nothing else needs them and an engine has no keys of its own."""
+    """Where engines listen: every interface, so the gateway reaches them by the node's address
+    (each requires its replica's key, which only the gateway sends); loopback alone when the node
+    reaches its control plane over loopback (one machine, `llmgw up`), where nothing else needs them."""
     try:
         if mgmt_addr and ipaddress.ip_address(mgmt_addr).is_loopback:
             return "127.0.0.1"

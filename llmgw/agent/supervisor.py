@@ -114,7 +114,8 @@ class ShardSpec(BaseModel):
 
     shard_id: str
     argv: list[str] = Field(min_length=1)
-    env: dict[str, str] = Field(default_factory=dict, description="Set on top of the inherited environment.")
+    env: dict[str, str] = Field(default_factory=dict, repr=False,  # may hold the engine's key
+                                description="Set on top of the inherited environment.")
     inherit_env: bool = Field(default=True, description="Start from the agent's environment (else from env alone).")
     cwd: str | None = None
     role: Role = Role.LEADER
@@ -126,7 +127,17 @@ class ShardSpec(BaseModel):
     )
     wait_timeout: float | None = Field(default=None, gt=0, description="Default: the supervisor's rendezvous_timeout.")
     stop_timeout: float | None = Field(default=None, ge=0, description="Default: the supervisor's stop_timeout.")
-    meta: dict[str, Any] = Field(default_factory=dict, description="Opaque to the supervisor; kept with the record.")
+    meta: dict[str, Any] = Field(default_factory=dict, repr=False,
+                                 description="Opaque to the supervisor; kept with the record.")
+    api_key: str | None = Field(
+        default=None, repr=False,
+        description="The engine's key: sent on its readiness probes, and masked wherever the supervisor shows a "
+        "command line or the engine's output. Giving it to the engine is the argv's or env's job.")
+
+    def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
+        # An engine that takes its key only as a flag (SGLang) has it in argv.
+        for name, value in super().__repr_args__():
+            yield name, [_mask(a, (self.api_key,)) for a in value] if name == "argv" and self.api_key else value
 
     @field_validator("shard_id")
     @classmethod
@@ -244,7 +255,7 @@ class ShardStatus:
     exit: str | None = None  # how the engine ended, in words
     tail: tuple[str, ...] = ()  # the last lines of output, sent with a failure
     since: float = 0.0  # wall-clock time of the last state change
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict, repr=False)  # the agent's start request: holds the key
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -530,10 +541,11 @@ class _LogFollower:
     nothing but would kill the engine along with the agent.
     """
 
-    def __init__(self, path: Path, prefix: str, max_bytes: int) -> None:
+    def __init__(self, path: Path, prefix: str, max_bytes: int, hide: tuple[str, ...] = ()) -> None:
         self.path = path
         self.prefix = prefix
         self.max_bytes = max_bytes
+        self.hide = hide
         self.offset = 0
         self._partial = b""
         self._skip_partial = False  # the first line read is cut off; drop it
@@ -579,7 +591,7 @@ class _LogFollower:
             self._partial = b""
         out = []
         for raw in raw_lines:
-            text = raw.decode("utf-8", "replace").rstrip("\r")
+            text = _mask(raw.decode("utf-8", "replace").rstrip("\r"), self.hide)
             if len(text) > _MAX_LINE:
                 text = text[:_MAX_LINE] + " [cut]"
             out.append(self.prefix + text)
@@ -588,7 +600,7 @@ class _LogFollower:
     def flush_partial(self) -> list[str]:
         if not self._partial:
             return []
-        text = self._partial.decode("utf-8", "replace")[:_MAX_LINE]
+        text = _mask(self._partial.decode("utf-8", "replace"), self.hide)[:_MAX_LINE]
         self._partial = b""
         return [self.prefix + text]
 
@@ -619,6 +631,8 @@ class _Shard:
     def __init__(self, spec: ShardSpec, tail_lines: int, adopted: bool = False) -> None:
         self.spec = spec
         self.fingerprint = spec.fingerprint
+        # Masked in every line shown: an engine may print its own arguments (SGLang does).
+        self.secrets: tuple[str, ...] = (spec.api_key,) if spec.api_key else ()
         self.state = ShardState.PENDING
         self.detail = "accepted"
         self.since = time.time()
@@ -721,8 +735,9 @@ class Supervisor:
             self._cancel_tasks(old)
         sh = _Shard(spec, self.tail_lines)
         self._shards[spec.shard_id] = sh
-        sh.followers.append(_LogFollower(self._engine_log(spec.shard_id), "", self.log_max_bytes).start_at_end())
-        self._note(sh, f"llmgw: starting shard {spec.shard_id}: {_quote(spec.argv)}")
+        sh.followers.append(_LogFollower(self._engine_log(spec.shard_id), "", self.log_max_bytes,
+                                         sh.secrets).start_at_end())
+        self._note(sh, f"llmgw: starting shard {spec.shard_id}: {_quote(spec.argv, sh.secrets)}")
         self._emit(self._status(sh))
         sh.log_task = asyncio.create_task(self._follow_logs(sh))
         if not self._launch_sidecars(sh):
@@ -958,7 +973,7 @@ class Supervisor:
             return self._cannot_start(sh, f"could not start: the working directory {spec.cwd} does not exist")
         for i, sc in enumerate(spec.sidecars):
             path = self.logs_dir / f"{spec.shard_id}.sidecar{i}.log"
-            sh.followers.append(_LogFollower(path, f"[sidecar {i}] ", self.log_max_bytes).start_at_end())
+            sh.followers.append(_LogFollower(path, f"[sidecar {i}] ", self.log_max_bytes, sh.secrets).start_at_end())
             env = self._env(sh, spec.env if sc.env is None else sc.env)
             try:
                 p = self._spawn(sc.argv, env, spec.cwd, path, f"sidecar {i}")
@@ -1062,11 +1077,13 @@ class Supervisor:
     async def _probe(self, sh: _Shard) -> tuple[ShardState, str]:
         base = sh.spec.base_url
         session = self._http()
+        # llama-server leaves /health open but wants the key for /v1/models; send it to both.
+        auth = {"Authorization": f"Bearer {sh.spec.api_key}"} if sh.spec.api_key else None
         try:
-            async with session.get(f"{base}/health") as r:
+            async with session.get(f"{base}/health", headers=auth) as r:
                 if r.status != 200:
                     return ShardState.LOADING, f"{base}/health answered {r.status}; waiting for the model to load"
-            async with session.get(f"{base}/v1/models") as r:
+            async with session.get(f"{base}/v1/models", headers=auth) as r:
                 if r.status != 200:
                     return ShardState.LOADING, f"{base}/v1/models answered {r.status}"
                 body = await r.read()
@@ -1086,7 +1103,7 @@ class Supervisor:
     def _sidecar_ended(self, sh: _Shard, p: _Proc, fut: asyncio.Future) -> None:
         if fut.cancelled() or sh.stopping or not sh.state.running:
             return
-        self._note(sh, f"llmgw: {p.label} ({_quote(p.argv)}) {fut.result()}")
+        self._note(sh, f"llmgw: {p.label} ({_quote(p.argv, sh.secrets)}) {fut.result()}")
 
     # ---------------------------------------------------------- stopping
 
@@ -1180,7 +1197,7 @@ class Supervisor:
         sh.fingerprint = str(rec.get("fingerprint") or spec.fingerprint)
         engine_log = self._engine_log(shard_id)
         sh.engine = _Proc(pid, start_time, spec.argv, engine_log, "", None)
-        sh.followers.append(_LogFollower(engine_log, "", self.log_max_bytes).start_at_end(64 << 10))
+        sh.followers.append(_LogFollower(engine_log, "", self.log_max_bytes, sh.secrets).start_at_end(64 << 10))
         for i, sc in enumerate(sidecars):
             try:
                 spid, sstart, sargv = int(sc["pid"]), int(sc["start_time"]), list(sc["argv"])
@@ -1192,7 +1209,8 @@ class Supervisor:
                 name = os.path.basename(str(sc.get("log") or f"{shard_id}.sidecar{i}.log"))
                 lp = self.logs_dir / name
                 sh.sidecars.append(_Proc(spid, sstart, sargv, lp, label, None))
-                sh.followers.append(_LogFollower(lp, f"[{label}] ", self.log_max_bytes).start_at_end(16 << 10))
+                sh.followers.append(_LogFollower(lp, f"[{label}] ", self.log_max_bytes, sh.secrets)
+                                    .start_at_end(16 << 10))
         self._shards[shard_id] = sh
         self._note(sh, f"llmgw: adopted pid {pid} after an agent restart (output above is from the log file)")
         self._drain_logs(sh)
@@ -1376,10 +1394,35 @@ async def _wait_port(host: str, port: int, timeout: float) -> bool:
 
 
 
-def _quote(argv: list[str]) -> str:
+# Flags whose value is a secret, masked even in a command line read from /proc (the sweep's).
+_SECRET_FLAGS = ("--api-key",)
+_HIDDEN = "[hidden]"
+
+
+def _mask(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, _HIDDEN)
+    return text
+
+
+def _quote(argv: list[str], secrets: Iterable[str] = ()) -> str:
+    """A command line for a person to read, with no key in it."""
     import shlex
 
-    return " ".join(shlex.quote(a) for a in argv)
+    secrets = tuple(secrets)
+    shown: list[str] = []
+    hide_next = False
+    for a in argv:
+        flag, eq, _value = a.partition("=")
+        if hide_next:
+            shown.append(_HIDDEN)
+        elif eq and flag in _SECRET_FLAGS:
+            shown.append(f"{flag}={_HIDDEN}")
+        else:
+            shown.append(shlex.quote(_mask(a, secrets)))
+        hide_next = a in _SECRET_FLAGS
+    return " ".join(shown)
 
 
 def _short(exc: BaseException) -> str:

@@ -36,3 +36,15 @@ def resolve_store(store: str | None, config: str | None) -> tuple[str, str]:
         cfg = load_config_or_fail(path)
         return cfg.auth.store, f"auth.store in {path}"
     return DEFAULT_STORE, "the single-machine default"
+
+
+def print_table(columns: tuple[str, ...] | list[str], rows) -> None:
+    """A plain table as every listing prints it: bold headers, no borders, no wrapping."""
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in columns:
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        table.add_row(*r)
+    Console(highlight=False, width=200).print(table)

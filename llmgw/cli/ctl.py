@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from llmgw.cli.admin_client import Admin, ServerOpt, TokenFileOpt, admin_call, connect
 from llmgw.cli.common import fail
 from llmgw.pki import DEFAULT_PKI_DIR, PKIError, init_ca, issue_client, issue_server, load_cert, san_names
 
@@ -68,30 +69,8 @@ def cert_issue_client(
     typer.echo(f"install them on {node} as the agent's tls.cert and tls.key, beside the authority's ca.pem")
 
 
-ADMIN_HELP = "The control plane's admin address (admin_listen)."
-
-
-def _admin_get(admin: str, path: str) -> dict:
+def _admin_get(admin: Admin, path: str) -> dict:
     return admin_call("GET", admin, path)
-
-
-def admin_call(method: str, admin: str, path: str, body: dict | None = None) -> dict:
-    import httpx
-
-    url = admin.rstrip("/") + path
-    try:
-        # A source check may fetch a manifest from far away: give it time.
-        r = httpx.request(method, url, json=body, timeout=60)
-    except httpx.HTTPError as exc:
-        fail(f"cannot reach the control plane's admin API at {admin}: {exc}; is llmgw server running, "
-             "and is --admin its admin_listen?")
-    if not 200 <= r.status_code < 300:
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text[:200]
-        fail(f"{url} answered {r.status_code}: {message}")
-    return r.json() if r.content else {}
 
 
 def _ago(ts: float | None) -> str:
@@ -189,7 +168,8 @@ def _label_matches(labels: dict, want: str) -> bool:
 
 @app.command("nodes")
 def nodes(
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
     state: Optional[str] = typer.Option(
         None, "--state", help="Only nodes whose state starts with this: ready, cordoned, draining, unreachable, lost."),
     gpu_class: Optional[str] = typer.Option(None, "--class", help="Only nodes with GPUs of this class, e.g. h100-80g."),
@@ -202,7 +182,7 @@ def nodes(
     import json
 
     data = [
-        n for n in _admin_get(admin, "/api/v1/nodes")["nodes"]
+        n for n in _admin_get(connect(server, token_file), "/api/v1/nodes")["nodes"]
         if (state is None or n["state"].startswith(state))
         and (gpu_class is None or gpu_class in (n.get("classes") or ()))
         and (fabric is None or fabric in (n.get("fabrics") or ()))
@@ -247,7 +227,8 @@ def _fetch_line(fetch: dict) -> str:
 @app.command("replicas")
 def replicas(
     model: Optional[str] = typer.Option(None, "--model", help="Only this model's replicas."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
     as_json: bool = typer.Option(False, "--json", help="Print the replicas as JSON."),
 ) -> None:
     """List the replicas the control plane runs: state, nodes, endpoint, age, idle time, downloads in progress."""
@@ -255,7 +236,7 @@ def replicas(
     from urllib.parse import urlencode
 
     query = f"?{urlencode({'model': model})}" if model else ""
-    data = _admin_get(admin, f"/api/v1/replicas{query}")["replicas"]
+    data = _admin_get(connect(server, token_file), f"/api/v1/replicas{query}")["replicas"]
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -281,7 +262,7 @@ def replicas(
     _print_rows(["REPLICA", "MODEL", "PROFILE", "STATE", "POOL", "NODES", "ENDPOINT", "AGE", "IDLE"], rows)
 
 
-def _node_action(action: str, node: str, admin: str) -> None:
+def _node_action(action: str, node: str, admin: Admin) -> None:
     from urllib.parse import quote
 
     data = admin_call("POST", admin, f"/api/v1/nodes/{quote(node, safe='')}/{action}")
@@ -291,28 +272,31 @@ def _node_action(action: str, node: str, admin: str) -> None:
 @app.command("cordon")
 def cordon(
     node: str = typer.Argument(..., help="The node's id."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Stop placing new work on a node; what runs there keeps running."""
-    _node_action("cordon", node, admin)
+    _node_action("cordon", node, connect(server, token_file))
 
 
 @app.command("uncordon")
 def uncordon(
     node: str = typer.Argument(..., help="The node's id."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Let a cordoned or drained node take new work again."""
-    _node_action("uncordon", node, admin)
+    _node_action("uncordon", node, connect(server, token_file))
 
 
 @app.command("drain")
 def drain(
     node: str = typer.Argument(..., help="The node's id."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Move work off a node, one replica at a time; nothing new is placed there meanwhile."""
-    _node_action("drain", node, admin)
+    _node_action("drain", node, connect(server, token_file))
 
 
 model_app = typer.Typer(help="Models the control plane runs (added at run time; server.yaml's are changed there).",
@@ -329,7 +313,8 @@ def _scaling_words(m: dict) -> str:
 def model_add(
     file: Path = typer.Option(..., "-f", "--file", help="A YAML file holding one model (name, source, scaling, profiles)."),
     no_source_check: bool = typer.Option(False, "--no-source-check", help="Do not check that the source can be read."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Add a model to the catalog; its source is checked first."""
     from llmgw.config import ConfigError
@@ -339,17 +324,18 @@ def model_add(
         model = load_model_file(file)
     except ConfigError as exc:
         fail(str(exc))
-    m = admin_call("POST", admin, "/api/v1/models", {"model": model, "source_check": not no_source_check})["model"]
+    m = admin_call("POST", connect(server, token_file), "/api/v1/models", {"model": model, "source_check": not no_source_check})["model"]
     typer.echo(f"added {m['name']}: {_scaling_words(m)}")
 
 
 @model_app.command("remove")
 def model_remove(
     name: str = typer.Argument(..., help="The model's name."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Remove a model added at run time (one declared in server.yaml is removed there)."""
-    admin_call("DELETE", admin, f"/api/v1/models/{name}")
+    admin_call("DELETE", connect(server, token_file), f"/api/v1/models/{name}")
     typer.echo(f"removed {name}")
 
 
@@ -358,17 +344,19 @@ def scale(
     name: str = typer.Argument(..., help="The model's name."),
     min_: int = typer.Option(..., "--min", help="Replicas always running; 0 starts it on demand."),
     max_: Optional[int] = typer.Option(None, "--max", help="Most replicas; 0 stops the model."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Set how many replicas of a model run."""
     body = {"min": min_} if max_ is None else {"min": min_, "max": max_}
-    m = admin_call("PUT", admin, f"/api/v1/models/{name}/scale", body)["model"]
+    m = admin_call("PUT", connect(server, token_file), f"/api/v1/models/{name}/scale", body)["model"]
     typer.echo(f"{m['name']}: {_scaling_words(m)}")
 
 
 @app.command("models")
 def models(
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
     as_json: bool = typer.Option(False, "--json", help="Print the catalog as JSON."),
 ) -> None:
     """List the catalog: every model, whether server.yaml declares it, its scaling and profiles."""
@@ -377,7 +365,7 @@ def models(
     from rich.console import Console
     from rich.table import Table
 
-    data = _admin_get(admin, "/api/v1/models")
+    data = _admin_get(connect(server, token_file), "/api/v1/models")
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -414,13 +402,14 @@ def logs(
     node: str = typer.Argument(..., help="The node's id."),
     source: Optional[str] = typer.Option(None, "--source", help="A shard id; default the agent's own log."),
     lines: int = typer.Option(200, "-n", "--lines", help="How many of the last lines."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Show a node's agent log, or a shard's engine output, fetched through the agent's stream."""
     from urllib.parse import urlencode
 
     query = urlencode({"lines": lines, **({"source": source} if source else {})})
-    data = _admin_get(admin, f"/api/v1/nodes/{node}/logs?{query}")
+    data = _admin_get(connect(server, token_file), f"/api/v1/nodes/{node}/logs?{query}")
     for line in data["lines"]:
         typer.echo(line)
     if data.get("sources"):
@@ -430,13 +419,14 @@ def logs(
 @app.command("explain-placement")
 def explain_placement(
     name: str = typer.Argument(..., help="The model's name."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
     as_json: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
 ) -> None:
     """Say, for every node and each of the model's profiles, whether a replica would be placed there and why."""
     import json
 
-    data = _admin_get(admin, f"/api/v1/models/{name}/placement")
+    data = _admin_get(connect(server, token_file), f"/api/v1/models/{name}/placement")
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -453,6 +443,7 @@ def explain_placement(
 
 
 # Registered last: it uses the helpers above.
-from llmgw.cli import ctl_mirror  # noqa: E402
+from llmgw.cli import ctl_mirror, ctl_token  # noqa: E402
 
 app.add_typer(ctl_mirror.app, name="mirror")
+app.add_typer(ctl_token.app, name="token")

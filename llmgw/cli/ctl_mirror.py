@@ -14,13 +14,11 @@ from urllib.parse import quote
 import typer
 
 from llmgw.cli.common import fail
-from llmgw.cli.ctl import ADMIN_HELP, _duration, _print_rows, _size, admin_call
+from llmgw.cli.admin_client import ServerOpt, TokenFileOpt, admin_call, connect
+from llmgw.cli.ctl import _duration, _print_rows, _size
 
 app = typer.Typer(help="The model mirror, through the control plane: fetch, watch, serve, remove.",
                   no_args_is_help=True)
-
-_ADMIN = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP)
-
 
 def _path(model: str, version: str) -> str:
     return f"/api/v1/mirror/{quote(model, safe='')}/{quote(version, safe='')}"
@@ -36,9 +34,9 @@ def _progress(v: dict) -> str:
 
 
 @app.command("list")
-def mirror_list(admin: str = _ADMIN, as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+def mirror_list(server: ServerOpt = None, token_file: TokenFileOpt = None, as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
     """Every version the mirror holds or is fetching, and the catalog models that use it."""
-    data = admin_call("GET", admin, "/api/v1/mirror")
+    data = admin_call("GET", connect(server, token_file), "/api/v1/mirror")
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -68,20 +66,20 @@ def mirror_fetch(
     as_name: Optional[str] = typer.Option(None, "--as", help="The file name to keep it under."),
     anyway: bool = typer.Option(False, "--anyway", help="Fetch even a GGUF the pinned llama.cpp cannot load."),
     wait: bool = typer.Option(False, "--wait", help="Follow the download until it is present or failed."),
-    admin: str = _ADMIN,
+    server: ServerOpt = None, token_file: TokenFileOpt = None,
 ) -> None:
     """Ask the mirror to fetch weights once, for every node to load from inside the network."""
     body = {"source": source, "model": model, "version": version, "anyway": anyway}
     if as_name:
         body["as"] = as_name
-    got = admin_call("POST", admin, "/api/v1/mirror/fetch", body)
+    got = admin_call("POST", connect(server, token_file), "/api/v1/mirror/fetch", body)
     typer.echo(f"the mirror is fetching {model}/{version}" + (f"; catalog source: {got['url']}" if got.get("url") else ""))
     if not wait:
         typer.echo(f"follow it with: llmgw ctl mirror status {model} {version}")
         return
     last = ""
     while True:
-        v = admin_call("GET", admin, _path(model, version))
+        v = admin_call("GET", connect(server, token_file), _path(model, version))
         state = v.get("state")
         if state == "fetching":
             line = f"  {_progress(v)}"
@@ -97,10 +95,10 @@ def mirror_fetch(
 
 
 @app.command("status")
-def mirror_status(model: str = typer.Argument(...), version: str = typer.Argument(...), admin: str = _ADMIN,
+def mirror_status(model: str = typer.Argument(...), version: str = typer.Argument(...), server: ServerOpt = None, token_file: TokenFileOpt = None,
                   as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
     """One version: fetching (with progress), present or failed (with the reason)."""
-    v = admin_call("GET", admin, _path(model, version))
+    v = admin_call("GET", connect(server, token_file), _path(model, version))
     if as_json:
         typer.echo(json.dumps(v, indent=2))
         return
@@ -115,10 +113,10 @@ def mirror_status(model: str = typer.Argument(...), version: str = typer.Argumen
 
 
 @app.command("remove")
-def mirror_remove(model: str = typer.Argument(...), version: str = typer.Argument(...), admin: str = _ADMIN,
+def mirror_remove(model: str = typer.Argument(...), version: str = typer.Argument(...), server: ServerOpt = None, token_file: TokenFileOpt = None,
                   force: bool = typer.Option(False, "--force", help="Remove it even if a catalog model refers to it.")) -> None:
     """Delete a whole version from the mirror; refused while a catalog model refers to it."""
-    admin_call("DELETE", admin, _path(model, version) + ("?force=1" if force else ""))
+    admin_call("DELETE", connect(server, token_file), _path(model, version) + ("?force=1" if force else ""))
     typer.echo(f"removed {model}/{version}")
 
 
@@ -132,7 +130,7 @@ def mirror_serve(
     min_: int = typer.Option(1, "--min", help="Replicas always running; 0 loads one on the first request."),
     max_: Optional[int] = typer.Option(None, "--max", help="Most replicas; 0 stops the model."),
     idle_timeout: Optional[str] = typer.Option(None, "--idle-timeout", help="With --min 0: stop after this long idle, e.g. 15m."),
-    admin: str = _ADMIN,
+    server: ServerOpt = None, token_file: TokenFileOpt = None,
 ) -> None:
     """Add a catalog model from a mirrored version in one step: engine, source and memory filled in."""
     scaling: dict = {"min": min_}
@@ -141,7 +139,7 @@ def mirror_serve(
     if idle_timeout:
         scaling["idle_timeout"] = idle_timeout
     body = {"name": name, "gpu_class": gpu_class, "engine": engine, "scaling": scaling}
-    got = admin_call("POST", admin, _path(model, version) + "/serve", {k: v for k, v in body.items() if v is not None})
+    got = admin_call("POST", connect(server, token_file), _path(model, version) + "/serve", {k: v for k, v in body.items() if v is not None})
     m = got["model"]
     profile = (m.get("profiles") or [{}])[0]
     memory = f", {profile['min_memory_gb']:g} GB of memory per replica" if profile.get("min_memory_gb") else ""

@@ -13,10 +13,8 @@ from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from llmgw.cli.common import err, fail, resolve_store
+from llmgw.cli.common import err, fail, print_table, resolve_store
 from llmgw.store import Ambiguous, IssuedKey, NotFound, NotMember, Store, StoreError
 from llmgw.store.tenancy import UNSET
 
@@ -133,6 +131,7 @@ def list_(
     all_: bool = typer.Option(False, "--all", "-a", help="Include revoked and expired keys."),
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """List API keys: id, name, visible prefix, project, owner, state and when last used. Secrets are never shown."""
     async def read(s: Store):
@@ -157,16 +156,17 @@ def list_(
         else:
             where = k.project or "-"
         rows.append((k.id, k.name, k.prefix + "…", where, owner, state, _when(k.last_used_at)))
+    if as_json:
+        import json
+
+        cols = ("id", "name", "prefix", "project", "owner", "state", "last_used")
+        typer.echo(json.dumps([dict(zip(cols, (r[0], r[1], r[2].rstrip("…"), *r[3:]))) for r in rows], indent=2))
+        return
     if not rows:
         more = "" if all_ else " (revoked and expired keys are listed with --all)"
         err.print((f"no keys in {proj.path}" if proj else "no keys") + more, highlight=False)
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("ID", "NAME", "KEY", "PROJECT", "OWNER", "STATE", "LAST USED"):
-        table.add_column(col, no_wrap=True)
-    for r in rows:
-        table.add_row(*r)
-    Console(highlight=False, width=200).print(table)
+    print_table(("ID", "NAME", "KEY", "PROJECT", "OWNER", "STATE", "LAST USED"), rows)
 
 
 @app.command("revoke")

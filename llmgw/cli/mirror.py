@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import typer
 
+from llmgw.cli.admin_client import TokenFileOpt
 from llmgw.cli.common import fail
 from llmgw.mirror.layout import MirrorError
 
@@ -18,12 +19,14 @@ app = typer.Typer(help="Hold model weights for the fleet to fetch from.", no_arg
 DEFAULT_DIR = "/srv/models"
 DEFAULT_BASE = "http://localhost:8081"
 DEFAULT_SERVER = "127.0.0.1:9090"
+# Where init suggests the control plane keeps its copy of the mirror's token.
+CONTROL_PLANE_TOKEN = "/etc/llmgw/mirror-token"
 _DIR_HELP = "The mirror's root directory (default /srv/models)."
 _BASE_HELP = "The address nodes use to reach this mirror, as it appears in catalog sources."
 _SERVER_HELP = "Admin API address to read the catalog from."
 
 
-def _manager(root: str):
+def _manager(root: str, allow_local_sources: bool = False):
     """The fetcher; a seam tests replace with a stand-in."""
     import os
 
@@ -31,7 +34,8 @@ def _manager(root: str):
     from llmgw.mirror.huggingface import DEFAULT_ENDPOINT
 
     # The variable huggingface_hub reads, so an internal Hugging Face mirror serves both.
-    return Manager(root, hf_endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT)
+    return Manager(root, hf_endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT,
+                   allow_local_sources=allow_local_sources)
 
 
 @app.callback()
@@ -44,15 +48,24 @@ def _dir(ctx: typer.Context, value: str | None) -> str:
     return value or (ctx.obj or {}).get("dir") or DEFAULT_DIR
 
 
+def _catalog_sources(server: str, token_file: Path | None) -> list[str]:
+    """The catalog's sources, read with the admin credential found the way `llmgw ctl` finds it."""
+    from llmgw.cli.admin_client import connect
+    from llmgw.mirror.api import read_catalog_sources
+
+    admin = connect(server, token_file)
+    return read_catalog_sources(admin.url, tokens=[t for t, _ in admin.tokens], verify=admin.verify)
+
+
 def _size(n: int | None) -> str:
     from llmgw.cli.ctl import _size as size
 
     return size(n)
 
 
-def _with_manager(root: str, op):
+def _with_manager(root: str, op, allow_local_sources: bool = False):
     async def go():
-        mgr = _manager(root)
+        mgr = _manager(root, allow_local_sources=allow_local_sources)
         try:
             return await op(mgr)
         finally:
@@ -83,7 +96,7 @@ def _print_table(rows: list[tuple[str, str, str, int]]) -> None:
 # ---------------------------------------------------------------- add / fetch
 
 
-def _add(ctx, url, model, version, as_name, anyway, base, dir) -> None:
+def _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources) -> None:
     root = _dir(ctx, dir)
     if not model or not version:
         fail("--model and --version are required: they are the layout")
@@ -111,7 +124,7 @@ def _add(ctx, url, model, version, as_name, anyway, base, dir) -> None:
                 last = line
         return waiter.result()
 
-    vs = _with_manager(root, op)
+    vs = _with_manager(root, op, allow_local_sources)
     if vs.state != "present":
         fail(vs.reason or next((f.reason for f in vs.files if f.reason), None) or f"{model}/{version} did not arrive")
     from llmgw.mirror.api import source_url
@@ -133,20 +146,25 @@ _AS = typer.Option(None, "--as", help="File name to keep it under (default: the 
 _ANYWAY = typer.Option(False, "--anyway", help="Keep a GGUF whose architecture llama.cpp may not load.")
 _ADD_BASE = typer.Option(None, "--base", help="This mirror's address for the source: line (default http://<this host>:8081).")
 _DIR_OPT = typer.Option(None, "--dir", help=_DIR_HELP)
+_ALLOW_LOCAL = typer.Option(False, "--allow-local-sources",
+                            help="Fetch from this machine's loopback and link-local addresses too (refused by default: "
+                                 "what the mirror fetches, it serves to anyone who reaches its byte port).")
 
 
 @app.command("add")
 def add(ctx: typer.Context, url: str = _URL, model: str = _MODEL, version: str = _VERSION, as_name: str = _AS,
-        anyway: bool = _ANYWAY, base: str = _ADD_BASE, dir: str = _DIR_OPT) -> None:
+        anyway: bool = _ANYWAY, base: str = _ADD_BASE, dir: str = _DIR_OPT,
+        allow_local_sources: bool = _ALLOW_LOCAL) -> None:
     """Fetch a file into <model>/<version>/ and print the source line for the catalog."""
-    _add(ctx, url, model, version, as_name, anyway, base, dir)
+    _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources)
 
 
 @app.command("fetch", hidden=True)
 def fetch(ctx: typer.Context, url: str = _URL, model: str = _MODEL, version: str = _VERSION, as_name: str = _AS,
-          anyway: bool = _ANYWAY, base: str = _ADD_BASE, dir: str = _DIR_OPT) -> None:
+          anyway: bool = _ANYWAY, base: str = _ADD_BASE, dir: str = _DIR_OPT,
+          allow_local_sources: bool = _ALLOW_LOCAL) -> None:
     """Another name for add."""
-    _add(ctx, url, model, version, as_name, anyway, base, dir)
+    _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources)
 
 
 # ---------------------------------------------------------------- list / unused / remove
@@ -170,13 +188,14 @@ def list_(ctx: typer.Context, dir: str = _DIR_OPT) -> None:
 
 @app.command("unused")
 def unused(ctx: typer.Context, server: str = typer.Option(DEFAULT_SERVER, "--server", help=_SERVER_HELP),
+           token_file: TokenFileOpt = None,
            base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP), dir: str = _DIR_OPT) -> None:
     """Files no catalog entry refers to."""
-    from llmgw.mirror.api import CatalogError, is_referenced, read_catalog_sources, references
+    from llmgw.mirror.api import CatalogError, is_referenced, references
 
     root = _dir(ctx, dir)
     try:
-        sources = read_catalog_sources(server)
+        sources = _catalog_sources(server, token_file)
     except CatalogError as exc:
         fail(f"cannot read the catalog, so nothing can be called unused: {exc}")
 
@@ -201,16 +220,17 @@ def remove(ctx: typer.Context, model: str = typer.Option(None, "--model", help="
            file: str = typer.Option(None, "--file", help="The file to delete."),
            force: bool = typer.Option(False, "--force", help="Remove without checking the catalog."),
            server: str = typer.Option(DEFAULT_SERVER, "--server", help=_SERVER_HELP),
+           token_file: TokenFileOpt = None,
            base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP), dir: str = _DIR_OPT) -> None:
     """Delete one file of a version from the mirror, once no model refers to it."""
-    from llmgw.mirror.api import CatalogError, is_referenced, read_catalog_sources, references
+    from llmgw.mirror.api import CatalogError, is_referenced, references
 
     root = _dir(ctx, dir)
     if not model or not version or not file:
         fail("--model, --version and --file are all required")
     if not force:
         try:
-            sources = read_catalog_sources(server)
+            sources = _catalog_sources(server, token_file)
         except CatalogError as exc:
             fail(f"cannot read the catalog to check whether this is still in use: {exc}\n"
                  "  Pass --force to remove it anyway")
@@ -241,13 +261,18 @@ def serve(ctx: typer.Context,
           listen: str = typer.Option(":8081", "--listen", help="Where nodes fetch bytes (read-only, no credentials)."),
           api_listen: str = typer.Option(":8082", "--api-listen", help="The management API, for the control plane."),
           base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP),
-          api_allow: list[str] = typer.Option(None, "--api-allow", help="Address or network allowed to use the API besides this machine (repeatable, comma lists allowed)."),
-          tls_ca: str = typer.Option(None, "--tls-ca", help="Accept only API clients with a certificate from this CA."),
+          api_allow: list[str] = typer.Option(None, "--api-allow", help="A network filter: the address or network that may reach the API besides this machine (repeatable, comma lists allowed). Not a credential."),
+          api_token_file: str = typer.Option(None, "--api-token-file", help="The API's bearer token, made (mode 0600) when missing (default: <dir>.api-token, beside the directory)."),
+          api_name: list[str] = typer.Option(None, "--api-name", help="A further host name the API is reached by (repeatable); this machine's names and the --base host are known."),
+          tls_ca: str = typer.Option(None, "--tls-ca", help="TLS on the API; client certificates from this CA issued to a --tls-client name are a credential."),
           tls_cert: str = typer.Option(None, "--tls-cert", help="The API's certificate."),
           tls_key: str = typer.Option(None, "--tls-key", help="The API certificate's key."),
+          tls_client: list[str] = typer.Option(None, "--tls-client", help="A client certificate name that may use the API (repeatable; default control-plane)."),
+          allow_local_sources: bool = _ALLOW_LOCAL,
           dir: str = _DIR_OPT) -> None:
     """Serve the weights (:8081) and the management API (:8082)."""
-    from llmgw.mirror.api import api_app
+    from llmgw.mirror.api import (DEFAULT_TLS_CLIENTS, ApiAccess, api_app, check_token_place, default_token_file,
+                                  ensure_token)
     from llmgw.mirror.serve import ListenError, describe_api_access, manager_checksums, parse_allow, start_listeners, weights_app
 
     root = _dir(ctx, dir)
@@ -256,35 +281,53 @@ def serve(ctx: typer.Context,
     addr, api_addr = _listen("--listen", listen), _listen("--api-listen", api_listen)
     try:
         allow = parse_allow(api_allow or [])
+        token_file = check_token_place(api_token_file, root) if api_token_file else default_token_file(root)
     except MirrorError as exc:
         fail(str(exc))
     ssl_ctx = None
     given = [x for x in (tls_ca, tls_cert, tls_key) if x]
     if given and len(given) != 3:
-        fail("--tls-ca, --tls-cert and --tls-key go together: give all three for mutual TLS, or none")
+        fail("--tls-ca, --tls-cert and --tls-key go together: give all three for TLS, or none")
+    if tls_client and not given:
+        fail("--tls-client names certificates, which only a TLS listener sees: give --tls-ca, --tls-cert and --tls-key")
+    clients = tuple(tls_client or DEFAULT_TLS_CLIENTS) if given else ()
     if given:
         from llmgw.pki import PKIError
         from llmgw.pki.tls import server_context
 
         try:
-            ssl_ctx = server_context(tls_ca, tls_cert, tls_key)
+            # A client without a certificate may still connect: the token is a credential too.
+            ssl_ctx = server_context(tls_ca, tls_cert, tls_key, require_client=False)
         except PKIError as exc:
             fail(str(exc))
+    try:
+        # Last: bad flags are refused before anything is written.
+        token, made = ensure_token(token_file)
+    except MirrorError as exc:
+        fail(str(exc))
     allow_texts = [a.strip() for v in api_allow or [] for a in v.split(",") if a.strip()]
-    api_line = describe_api_access(api_addr, tls_ca, allow_texts)
+    api_line = describe_api_access(api_addr, allow_texts, str(token_file), tls_ca, clients)
+    access = ApiAccess(token=token, token_file=str(token_file),
+                       names=(api_addr.host, urlsplit(base).hostname or "", *(api_name or [])), tls_clients=clients)
 
     async def run() -> None:
-        mgr = _manager(root)
+        mgr = _manager(root, allow_local_sources=allow_local_sources)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         running = None
         try:
-            api = api_app(mgr, root, base, allow=allow if (allow and ssl_ctx is None) else None)
+            api = api_app(mgr, root, base, access, allow=allow or None)
+            if made:
+                typer.echo(f"made the management API token {token_file} (mode 0600); the control plane needs a copy, "
+                           "named by mirror.token_file in server.yaml")
             running = await start_listeners(Path(root), weights_app(root, manager_checksums(mgr)), addr,
                                             api, api_addr, ssl_ctx, lambda s: typer.echo(s, nl=True), api_line)
             typer.echo(f"catalog sources should point at {base}")
+            if allow_local_sources:
+                typer.echo("fetching from this machine's loopback and link-local addresses is allowed "
+                           "(--allow-local-sources)")
             await stop.wait()
         finally:
             if running is not None:
@@ -323,8 +366,9 @@ def init(ctx: typer.Context,
         typer.echo(line)
     if not res.changed:
         typer.echo("Nothing changed: " + "; ".join(res.unchanged) + ".")
-    else:
-        typer.echo(f"\nOn the control plane: sudo llmgw server init --mirror http://{_this_host(base)}:8082")
+    typer.echo(f"\nThe management API needs the token in {res.token_file}. On the control plane, copy it to "
+               f"{CONTROL_PLANE_TOKEN} (mode 0600, owned by the user `llmgw server` runs as) and add to server.yaml:\n"
+               f"  mirror:\n    api: http://{_this_host(base)}:8082\n    token_file: {CONTROL_PLANE_TOKEN}")
 
 
 def _this_host(base: str | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from llmgw.cli.ctl import ADMIN_HELP, admin_call
+from llmgw.cli.admin_client import ServerOpt, TokenFileOpt, admin_call, connect
 
 app = typer.Typer(help="The fleet's nodes.", no_args_is_help=True)
 
@@ -12,8 +12,9 @@ app = typer.Typer(help="The fleet's nodes.", no_args_is_help=True)
 @app.command("remove")
 def remove(
     name: str = typer.Argument(..., help="The node's id."),
-    admin: str = typer.Option("http://127.0.0.1:9090", "--admin", help=ADMIN_HELP),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
 ) -> None:
     """Forget a lost node (one that has not reported for control.lost_after); a node in any other state is refused."""
-    admin_call("DELETE", admin, f"/api/v1/nodes/{name}")
+    admin_call("DELETE", connect(server, token_file), f"/api/v1/nodes/{name}")
     typer.echo(f"removed {name}")

@@ -73,7 +73,7 @@ def up(
         agent_port = upmod.free_port()
         config_path = upmod.write_server_config(wd, choice, pki, port=port, admin_port=admin_port, agent_port=agent_port,
                                                 host=host, ctx_size=ctx_size, parallel=parallel, release_url=release_url,
-                                                mirror_api=mirror.api)
+                                                mirror_api=mirror.api, mirror_token_file=mirror.token_file)
         agent_config = upmod.write_agent_config(wd, pki, agent_port)
         agent = upmod.AgentProcess(agent_config, wd / "agent.log")
         base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from llmgw.cli.common import err, fail
+from llmgw.cli.common import err, fail, print_table
 from llmgw.cli.keys import CONFIG_HELP, STORE_HELP, with_store
 from llmgw.store import Store
 from llmgw.store.tenancy import describe_memberships
@@ -41,23 +39,31 @@ def create(
 def list_(
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """List people: ID EMAIL STATE ADMIN MEMBER OF SIGNED UP."""
     async def read(s: Store):
         return await s.tree(people=True)
 
     tree = with_store(store, config, read)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps([{
+            "id": u.id, "email": u.email, "name": u.name, "state": u.state, "admin": u.admin,
+            "created_at": u.created_at.isoformat(),
+            "member_of": [{"scope": m.scope, "id": m.scope_id, "role": m.role}
+                          for m in tree.memberships if m.user_id == u.id],
+        } for u in tree.users.values()], indent=2))
+        return
     if not tree.users:
         err.print("no people yet; `llmgw users create EMAIL` adds one")
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP"):
-        table.add_column(col, no_wrap=True)
-    for u in tree.users.values():
-        ms = [m for m in tree.memberships if m.user_id == u.id]
-        table.add_row(u.id, u.email, u.state, "yes" if u.admin else "-",
-                      describe_memberships(tree, ms) or "on their own", f"{u.created_at:%Y-%m-%d}")
-    Console(highlight=False, width=200).print(table)
+    print_table(("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP"), [
+        (u.id, u.email, u.state, "yes" if u.admin else "-",
+         describe_memberships(tree, [m for m in tree.memberships if m.user_id == u.id]) or "on their own",
+         f"{u.created_at:%Y-%m-%d}")
+        for u in tree.users.values()])
 
 
 @app.command("join")

@@ -168,4 +168,5 @@ def parse_agent_config(data: Any, source: str = "agent.yaml") -> AgentConfig:
 
 
 def load_agent_config(path: str | os.PathLike[str]) -> AgentConfig:
-    return parse_agent_config(read_yaml(path, "agent.yaml"), str(path))
+    return parse_agent_config(read_yaml(path, "agent.yaml", empty="write at least `server: HOST:7443` in it"),
+                              str(path))

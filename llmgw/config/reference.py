@@ -26,6 +26,10 @@ a test fails when this file and the code disagree. Durations are written like
 `30s`, `10m`, `250ms` or a number of seconds; sizes like `32MiB` or a number of
 bytes; addresses like `:8080`, `127.0.0.1:9090` or `[::1]:9090`. An unknown key
 or a value of the wrong type stops the process at start with the key's full path.
+So does a file that is not UTF-8 (the message names the byte and its line), a key
+written twice in one mapping at any depth (both lines named; YAML alone would keep
+the last silently), and an empty file, or one holding only comments: write `{}`
+in server.yaml to take every default.
 """
 
 

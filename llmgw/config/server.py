@@ -19,6 +19,7 @@ from llmgw.config.loading import read_yaml, validate
 from llmgw.config.types import ByteSize, Duration, Listen, ListenAddress, parse_listen
 
 DEFAULT_STORE = "/var/lib/llmgw/llmgw.db"
+DEFAULT_DATA_DIR = "/var/lib/llmgw"
 DEFAULT_CONFIG_PATH = "/etc/llmgw/server.yaml"
 # The llama.cpp release nodes install unless server.yaml's engines: says otherwise.
 DEFAULT_LLAMACPP = "b10991"
@@ -54,6 +55,24 @@ class EndpointConfig(_Block):
         default=None,
         description="The model name the engine itself expects; defaults to the catalog name.",
     )
+    api_key: str | None = Field(
+        default=None,
+        description="@/path/to/file: the file (one line, mode 0600) holds the key the engine requires "
+        "(llama-server, vLLM and SGLang: --api-key), which the gateway sends on every request, scrape and "
+        "health check. A file, not the key: server.yaml and the catalog are shown by `ctl` and the admin API.",
+    )
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path = v[1:].strip() if v.startswith("@") else ""
+        if not path.startswith("/"):
+            # The value itself is never echoed: it may be the key.
+            raise ValueError("must be @/path/to/file naming the file that holds the key, not the key itself: "
+                             "server.yaml and the catalog are shown by `ctl` and the admin API")
+        return "@" + path
 
     @field_validator("url")
     @classmethod
@@ -349,7 +368,8 @@ class AuthConfig(_Block):
     store: str = Field(
         default=DEFAULT_STORE,
         description="Where keys and usage live: a file path (SQLite), a postgres:// URL "
-        "(PostgreSQL), or @/path/to/file holding the address.",
+        "(PostgreSQL), or @/path/to/file holding the address. A SQLite file's directory is created "
+        "when missing, with a warning in the log (a mistyped path would start on an empty store).",
     )
     pricing: dict[str, PriceConfig] = Field(
         default_factory=dict,
@@ -429,6 +449,12 @@ class TimeoutsConfig(_Block):
         description="A whole request to an engine; raise it for slow models. Before the first "
         "byte a timeout answers 504; after it the stream is closed.",
     )
+    first_byte: Duration = Field(
+        default=60.0,
+        description="How long an engine may send nothing at all (not even response headers) while it "
+        "also fails its health checks; the request then goes to another replica and the breaker counts "
+        "a failure. An engine that keeps answering its health checks is never cut by this.",
+    )
     drain: Duration = Field(default=15.0, description="On shutdown, how long running requests may finish.")
 
 
@@ -439,6 +465,12 @@ class UsageConfig(_Block):
     batch_size: int = Field(default=500, ge=1, description="Rows written per statement at most.")
     queue_limit: int = Field(
         default=100_000, ge=100, description="Rows held in memory while the store is slow; beyond it rows are counted as dropped."
+    )
+    final_flush: Duration = Field(
+        default=5.0,
+        description="On shutdown, after timeouts.drain, how long the last write of queued rows may take; what the "
+        "store has not taken by then is kept in usage-journal in data_dir, and the next start writes it to "
+        "the store before serving.",
     )
 
 
@@ -477,6 +509,19 @@ class AgentTLSConfig(_Block):
     key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
 
 
+class AdminTLSConfig(_Block):
+    """TLS on the admin listener; a client certificate from the fleet's authority is then a credential too."""
+
+    ca: str = Field(default="/etc/llmgw/pki/ca.pem", description="The fleet's certificate authority; client certificates are checked against it.")
+    cert: str = Field(default="/etc/llmgw/pki/server.pem", description="The admin listener's certificate.")
+    key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
+    clients: list[str] = Field(
+        default_factory=lambda: ["admin"],
+        description="Common names of the client certificates that may use the admin API "
+        "(`llmgw ctl cert issue-client admin` makes one); a node's certificate is not among them.",
+    )
+
+
 class MirrorTLSConfig(_Block):
     """The control plane's client certificate for a mirror that requires mutual TLS."""
 
@@ -489,7 +534,17 @@ class MirrorConfig(_Block):
     """The model mirror this control plane asks to fetch weights."""
 
     api: str = Field(description="The mirror's management API, e.g. http://models.internal:8082.")
-    tls: MirrorTLSConfig | None = Field(default=None, description="Mutual TLS to the management API; null: plain HTTP.")
+    token_file: str | None = Field(
+        default=None,
+        description="A file holding the mirror's API token: a copy of the token file beside the mirror's "
+        "directory (/srv/models.api-token for /srv/models), mode 0600, readable by the user the server runs as; "
+        "read at start and sent as a bearer token.",
+    )
+    tls: MirrorTLSConfig | None = Field(
+        default=None,
+        description="TLS to the management API with a client certificate, which is a credential for a mirror started "
+        "with --tls-ca (named by its --tls-client, control-plane by default); null: plain HTTP.",
+    )
     registry: str | None = Field(
         default=None,
         description="An internal Hugging Face mirror used for hf: sources instead of https://huggingface.co.",
@@ -504,6 +559,15 @@ class MirrorConfig(_Block):
                 raise ValueError(f'"{v}" is not an http(s) URL')
             v = v.rstrip("/")
         return v
+
+    @model_validator(mode="after")
+    def _credential(self) -> "MirrorConfig":
+        # The mirror answers nothing without one, so a block without one could never work.
+        if self.token_file is None and self.tls is None:
+            raise ValueError("the mirror's management API needs a credential: set token_file to a copy of the "
+                             "mirror's API token (`llmgw mirror init` says where it is, e.g. /srv/models.api-token), "
+                             "or tls with a client certificate the mirror accepts")
+        return self
 
 
 class ControlConfig(_Block):
@@ -607,6 +671,22 @@ class ServerConfig(_Block):
         default=parse_listen(":9091"), description="Prometheus metrics only; null turns it off."
     )
     agent_listen: Listen = Field(default=parse_listen(":7443"), description="Node agents' stream (with control.enabled).")
+    admin_tls: AdminTLSConfig | None = Field(
+        default=None,
+        description="TLS for admin_listen, accepting the fleet's client certificates named in clients "
+        "as well as admin tokens; null: plain HTTP (keep admin_listen on loopback then).",
+    )
+    admin_hosts: list[str] = Field(
+        default_factory=list,
+        description="Further names the admin API is reached by (the Host header), besides this machine's "
+        "own names and addresses; anything else is refused, which stops DNS-rebinding pages.",
+    )
+    data_dir: str | None = Field(
+        default=None,
+        description="The server's own files: admin-token (the first admin token, mode 0600, made at the "
+        "first start) and usage-journal (usage rows the store could not take at shutdown). Created when missing. "
+        "null: the directory of the SQLite store (auth.store), or /var/lib/llmgw when the store is PostgreSQL.",
+    )
     agent_tls: AgentTLSConfig | None = Field(
         default_factory=AgentTLSConfig,
         description="Mutual TLS for agents; null means plaintext, for one trusted machine only.",
@@ -620,6 +700,16 @@ class ServerConfig(_Block):
     usage: UsageConfig = Field(default_factory=UsageConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     models: list[ModelConfig] = Field(default_factory=list, description="The models served, with their engines.")
+
+    @property
+    def data_path(self) -> str:
+        """data_dir, or where it defaults to: beside a SQLite store, else /var/lib/llmgw."""
+        if self.data_dir:
+            return self.data_dir
+        store = self.auth.store
+        if store.startswith("@") or "://" in store:  # PostgreSQL (or an address read from a file)
+            return DEFAULT_DATA_DIR
+        return os.path.dirname(os.path.abspath(os.path.expanduser(store)))
 
     @model_validator(mode="after")
     def _unique_names(self) -> "ServerConfig":
@@ -637,6 +727,11 @@ class ServerConfig(_Block):
             listeners["agent_listen"] = self.agent_listen
         if self.control.lost_after <= self.control.unreachable_after:
             raise ValueError("control.lost_after must be longer than control.unreachable_after")
+        if self.timeouts.first_byte < 2 * self.router.scrape_interval:
+            # The first-byte check asks whether a probe sent in that time was answered.
+            raise ValueError(f"timeouts.first_byte ({self.timeouts.first_byte:g}s) must be at least twice "
+                             f"router.scrape_interval ({self.router.scrape_interval:g}s): engines are probed "
+                             "that often, and one that answers its probes is never cut")
         ports: dict[int, str] = {}
         for key, addr in listeners.items():
             if addr.port in ports and _overlap(addr, listeners[ports[addr.port]]):
@@ -654,4 +749,5 @@ def parse_server_config(data: Any, source: str = "server.yaml") -> ServerConfig:
 
 
 def load_server_config(path: str | os.PathLike[str]) -> ServerConfig:
-    return parse_server_config(read_yaml(path, "server.yaml (see examples/server.yaml)"), str(path))
+    return parse_server_config(read_yaml(path, "server.yaml (see examples/server.yaml)",
+                                         empty="write `{}` in it to take every default"), str(path))

@@ -4,9 +4,16 @@ The API is what the control plane's mirror page drives: list what is held or
 arriving, start a download, follow it, remove a version. It answers JSON;
 errors travel as ``{"error": {"message": SENTENCE}}``.
 
-Access: with TLS, mutual TLS against the fleet CA (the context is built by
-the caller from ``llmgw.pki``); else, with an allow-list, loopback and the
-listed addresses or networks only; else anyone (announced at start).
+Access: every route but ``/v1/health`` (a probe) needs a credential: the
+bearer token kept in the API token file (made at the first start, mode 0600,
+beside the mirror's directory, never inside it: the byte port serves that), or,
+on a TLS listener, a client certificate from the fleet's CA issued to one of
+the names given (``control-plane`` by default; a node's certificate is not
+one). Before the credential is looked at, what only a browser sends is refused
+(``llmgw.webguard``: a foreign Origin, a Host that is not this machine, a write
+that is not JSON). ``--api-allow`` is a network filter in front of all of it:
+loopback and the listed networks reach the API, others get 403; being on one
+of them is not a credential.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import ssl
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -22,9 +31,17 @@ import httpx
 import orjson
 from aiohttp import web
 
+from llmgw.files import SecretFileError, new_token, read_secret_file, same_secret, token_digest, write_secret_file
 from llmgw.mirror.layout import MirrorError
+from llmgw.pki import peer_node_id
+from llmgw.webguard import bearer_token, guard_for, machine_names
 
 FORBIDDEN = "this mirror is managed by its control plane only"
+TOKEN_PREFIX = "llmgw-mirror-"
+TOKEN_SUFFIX = ".api-token"
+DEFAULT_TLS_CLIENTS = ("control-plane",)
+# A probe (systemd, a load balancer, `llmgw up` waiting for it): it says only whether the directory reads.
+OPEN_PATHS = frozenset({"/v1/health"})
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -35,6 +52,11 @@ def _dumps(obj: object) -> str:
 
 def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status, dumps=_dumps)
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    """A request refused below the handlers (one aiohttp could not parse), in this API's shape."""
+    return orjson.dumps({"error": {"message": message, "code": code}})
 
 
 # ---------------------------------------------------------------- shapes
@@ -84,6 +106,94 @@ def peer_allowed(peer: str | None, allow: Iterable[Network]) -> bool | None:
     return ip.is_loopback or any(ip in net for net in allow)
 
 
+def default_token_file(root: str | os.PathLike[str]) -> Path:
+    """Where the API token lives unless told: beside the mirror's directory, ``<dir>.api-token``
+    (``/srv/models`` → ``/srv/models.api-token``): outside what the byte port serves, and
+    found from ``--dir`` alone by every command that needs it."""
+    p = Path(os.path.abspath(root))
+    if not p.name:
+        raise MirrorError(f"the mirror's directory is {p}, so there is no place beside it for the API token; "
+                          "pass --api-token-file PATH")
+    return p.with_name(p.name + TOKEN_SUFFIX)
+
+
+def check_token_place(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
+    """``path``, unless it lies inside ``root``, where the byte port would hand it to anyone."""
+    p, r = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if p == r or r in p.parents:
+        raise MirrorError(f"--api-token-file {path} is inside the mirror's directory {root}, which the byte port "
+                          f"serves to anyone; keep it outside, e.g. {default_token_file(root)}")
+    return Path(path)
+
+
+def ensure_token(path: str | os.PathLike[str]) -> tuple[str, bool]:
+    """(the token in ``path``, whether it was made now): a file that is missing gets a new
+    random token, mode 0600; one that exists must be only its owner's."""
+    p = Path(path)
+    if not p.exists():
+        token = new_token(TOKEN_PREFIX)
+        try:
+            write_secret_file(p, token)
+        except OSError as exc:
+            raise MirrorError(f"cannot create the API token file {p} ({exc.strerror or exc}); run as a user that "
+                              "may write there (`llmgw mirror init` makes it as root), or pass --api-token-file PATH"
+                              ) from None
+        return token, True
+    try:
+        return read_secret_file(p), False
+    except SecretFileError as exc:
+        raise MirrorError(f"the API token file {exc}") from None
+
+
+@dataclass(frozen=True)
+class ApiAccess:
+    """What the management API accepts as a credential, and the names it answers to.
+
+    ``names``: host names besides this machine's own (the bind host, the
+    ``--base`` host, ``--api-name``); ``tls_clients``: the certificate names
+    that are a credential when the listener has TLS (empty: certificates are not).
+    """
+
+    token: str
+    token_file: str
+    names: tuple[str, ...] = ()
+    tls_clients: tuple[str, ...] = ()
+
+    def how_to(self) -> str:
+        how = (f"the mirror's management API needs a credential: send 'Authorization: Bearer <token>' with the "
+               f"token in {self.token_file} on the mirror's machine (the control plane reads a copy of it named by "
+               "mirror.token_file in server.yaml)")
+        if self.tls_clients:
+            how += f", or present a client certificate from the fleet's CA issued to {' or '.join(self.tls_clients)}"
+        return how
+
+    def middleware(self):
+        digest = token_digest(self.token)
+        clients = frozenset(self.tls_clients)
+
+        async def authenticate(request: web.Request) -> str | None:
+            if clients and request.transport is not None:
+                name = peer_node_id(request.transport.get_extra_info("ssl_object"))
+                if name is not None and name in clients:
+                    return f"certificate {name}"
+            token = bearer_token(request)
+            # Digests compared, so the comparison takes as long whatever the guess.
+            if token is not None and same_secret(token_digest(token), digest):
+                return "token"
+            return None
+
+        return guard_for(machine_names(*self.names), authenticate, self.how_to(), _guard_error, OPEN_PATHS,
+                         names_hint="add others with `llmgw mirror serve --api-name NAME`",
+                         credential_code="credential_required").middleware()
+
+
+def _guard_error(status: int, message: str, code: str) -> web.Response:
+    resp = web.json_response({"error": {"message": message, "code": code}}, status=status, dumps=_dumps)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="llmgw mirror"'
+    return resp
+
+
 def allow_list_middleware(allow: list[Network]):
     @web.middleware
     async def only_allowed(request: web.Request, handler):
@@ -100,14 +210,16 @@ def allow_list_middleware(allow: list[Network]):
 # ---------------------------------------------------------------- the app
 
 
-def api_app(manager, root: str | os.PathLike[str], base: str, *, allow: list[Network] | None = None) -> web.Application:
-    """The management API over ``manager`` (a llmgw.mirror.fetcher.Manager).
+def api_app(manager, root: str | os.PathLike[str], base: str, access: ApiAccess, *,
+            allow: list[Network] | None = None) -> web.Application:
+    """The management API over ``manager`` (a llmgw.mirror.fetcher.Manager), behind ``access``.
 
-    ``allow``: when given (even empty), only loopback and these networks may call;
-    None leaves access to the caller (mutual TLS) or open.
+    ``allow``: when given (even empty), only loopback and these networks reach it at all.
     """
     root = Path(root)
+    # The network filter first (outsiders learn nothing more), then the guard on every route.
     middlewares = [allow_list_middleware(allow)] if allow is not None else []
+    middlewares.append(access.middleware())
     app = web.Application(middlewares=middlewares)
 
     async def models(request: web.Request) -> web.Response:
@@ -178,15 +290,24 @@ class CatalogError(Exception):
     """The catalog could not be read."""
 
 
-def read_catalog_sources(server: str, *, timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> list[str]:
-    """Every model's ``source`` from the control plane's admin API (GET /api/v1/models)."""
+def read_catalog_sources(server: str, *, tokens: Iterable[str] = (), verify: "ssl.SSLContext | bool" = True,
+                         timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> list[str]:
+    """Every model's ``source`` from the control plane's admin API (GET /api/v1/models),
+    with the first of ``tokens`` (admin tokens, in the order found) that it accepts."""
     url = server if "://" in server else f"http://{server}"
     url = url.rstrip("/") + "/api/v1/models"
+    creds: list[str | None] = list(tokens) or [None]
     try:
-        with httpx.Client(timeout=timeout, transport=transport) as client:
-            resp = client.get(url)
+        with httpx.Client(timeout=timeout, transport=transport, verify=verify) as client:
+            for token in creds:
+                resp = client.get(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+                if resp.status_code != 401:
+                    break
     except httpx.HTTPError as exc:
         raise CatalogError(f"{url}: {exc or type(exc).__name__}") from None
+    if resp.status_code == 401:
+        raise CatalogError(f"{url} answered 401: it needs an admin token; pass --token-file or set "
+                           "LLMGW_ADMIN_TOKEN (on the control plane, its data_dir/admin-token is found by itself)")
     if resp.status_code != 200:
         raise CatalogError(f"{url} answered {resp.status_code} {resp.reason_phrase}")
     try:

@@ -25,6 +25,7 @@ import orjson
 
 from llmgw.mirror import gguf, huggingface
 from llmgw.mirror.layout import MirrorError, check_segment, is_hidden, resolve_inside
+from llmgw.mirror.sources import GuardedTransport, SourcePolicy
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,11 @@ def _looks_html(head: bytes) -> bool:
 class Manager:
     def __init__(self, root: Path, *, hf_endpoint: str = huggingface.DEFAULT_ENDPOINT,
                  hf_token: str | None = None, architectures: frozenset[str] | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, allow_local_sources: bool = False) -> None:
         self.root = Path(root)
         self.hf_endpoint = hf_endpoint.rstrip("/")
+        # The Hugging Face endpoint is the operator's own setting, so it is fetched from even on loopback.
+        self.sources = SourcePolicy(allow_local=allow_local_sources, trusted=[self.hf_endpoint])
         self.hf_token = hf_token or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
         self.architectures = gguf.pinned_architectures() if architectures is None else architectures
         self.timeout = timeout
@@ -130,8 +133,10 @@ class Manager:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             # httpx drops Authorization when a redirect leaves the host, so
-            # the HF token never reaches the CDN HF redirects to.
-            self._client = httpx.AsyncClient(timeout=self.timeout, follow_redirects=True)
+            # the HF token never reaches the CDN HF redirects to. Every connection,
+            # each redirect's too, goes only where the source policy allows.
+            self._client = httpx.AsyncClient(timeout=self.timeout, follow_redirects=True,
+                                             transport=GuardedTransport(self.sources))
         return self._client
 
     async def close(self) -> None:
@@ -280,6 +285,8 @@ class Manager:
             return [_Want(name=as_name or f.name, url=f.url, source=f"hf:{hf.org}/{hf.repo}/{f.path}@{hf.commit}",
                           size=f.size, sha256=f.sha256, hf=True) for f in hf.files]
         if source.startswith(("http://", "https://")):
+            # Refused now rather than as a failed download; each connection is checked again when made.
+            await self.sources.check(source)
             name = as_name or _name_from_url(source)
             check_segment(name, "file name (from the URL; pass --as to choose one)")
             return [_Want(name=name, url=source, source=source)]

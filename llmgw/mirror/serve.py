@@ -32,6 +32,8 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from llmgw.config.types import ListenAddress
+from llmgw.httpserve import Runner, drain
+from llmgw.mirror.api import error_body
 from llmgw.mirror.layout import MirrorError, check_segment, resolve_inside
 
 READ_ONLY = "the mirror is read-only"
@@ -198,16 +200,16 @@ def parse_allow(values: Iterable[str]) -> list[ipaddress.IPv4Network | ipaddress
 
 @dataclass
 class Running:
-    runners: list[web.AppRunner]
+    runners: list[Runner]
 
     async def close(self) -> None:
-        for r in reversed(self.runners):
-            await r.cleanup()
+        # Both listeners at once; responses finishing meanwhile say `Connection: close`.
+        await drain(self.runners)
 
 
 async def _start(app: web.Application, addr: ListenAddress, ssl_context: ssl.SSLContext | None,
-                 what: str, runners: list[web.AppRunner]) -> None:
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                 what: str, runners: list[Runner]) -> None:
+    runner = Runner(app, error_body)
     await runner.setup()
     runners.append(runner)
     site = web.TCPSite(runner, addr.bind_host, addr.port, reuse_address=True, ssl_context=ssl_context)
@@ -223,12 +225,14 @@ async def _start(app: web.Application, addr: ListenAddress, ssl_context: ssl.SSL
         raise ListenError(f"{what}: {why}") from None
 
 
-def describe_api_access(addr: ListenAddress, ca: str | None, allow: list[str]) -> str:
+def describe_api_access(addr: ListenAddress, allow: list[str], token_file: str, ca: str | None = None,
+                        tls_clients: Iterable[str] = ()) -> str:
+    """The startup line saying who reaches the API (the network filter) and with what (the credential)."""
+    where = f"for {', '.join(allow)} and this machine only" if allow else "from any address"
+    cred = f"the token in {token_file}"
     if ca:
-        return f"management API on {addr}, mutual TLS against {ca}"
-    if allow:
-        return f"management API on {addr}, for {', '.join(allow)} and this machine only"
-    return f"management API on {addr}, UNAUTHENTICATED — keep it on a trusted network"
+        cred = f"TLS; {cred}, or a certificate from {ca} issued to {' or '.join(tls_clients)}"
+    return f"management API on {addr}, {where}; credential: {cred}"
 
 
 async def start_listeners(root: Path, weights: web.Application, listen: ListenAddress,
@@ -237,7 +241,7 @@ async def start_listeners(root: Path, weights: web.Application, listen: ListenAd
                           api_line: str) -> Running:
     """Start the byte listener, then the API; the first that fails stops both and
     raises ListenError worded "serving weights: …" / "serving the API: …"."""
-    runners: list[web.AppRunner] = []
+    runners: list[Runner] = []
     running = Running(runners)
     try:
         await _start(weights, listen, None, "serving weights", runners)

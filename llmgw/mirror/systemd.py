@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.mirror.api import default_token_file, ensure_token
 from llmgw.mirror.layout import MirrorError
 
 UNIT_NAME = "llmgw-mirror.service"
@@ -71,9 +72,10 @@ def _quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
 
 
-def unit_text(*, dir: str, user: str, base: str, allow: list[str], binary: str = DEFAULT_BINARY,
+def unit_text(*, dir: str, user: str, base: str, allow: list[str], token_file: str, binary: str = DEFAULT_BINARY,
               listen: str = ":8081", api_listen: str = ":8082") -> str:
-    args = [binary, "mirror", "serve", "--dir", dir, "--listen", listen, "--api-listen", api_listen, "--base", base]
+    args = [binary, "mirror", "serve", "--dir", dir, "--listen", listen, "--api-listen", api_listen, "--base", base,
+            "--api-token-file", token_file]
     for a in allow:
         args += ["--api-allow", a]
     pairs = [args[:3]] + [args[i:i + 2] for i in range(3, len(args), 2)]
@@ -104,6 +106,7 @@ WantedBy=multi-user.target
 class InitResult:
     changed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    token_file: str = ""
 
 
 def _must(run: Runner, argv: list[str], doing: str) -> str:
@@ -116,8 +119,9 @@ def _must(run: Runner, argv: list[str], doing: str) -> str:
 def init_mirror(*, control_plane: str, dir: str, unit_path: str = DEFAULT_UNIT_PATH, user: str = "llmgw",
                 base: str, binary: str = DEFAULT_BINARY, run: Runner = run_command,
                 resolve: Resolver = resolve_host) -> InitResult:
-    """Bring the machine to: user exists, dir exists (owned by it when created), the
-    unit holds exactly this text, systemd knows it, it is enabled and running."""
+    """Bring the machine to: user exists, dir exists (owned by it when created), the API
+    token beside it (owned by it when made), the unit holds exactly this text, systemd
+    knows it, it is enabled and running."""
     res = InitResult()
     allow = control_plane_allow(control_plane, resolve)
     d = Path(dir)
@@ -143,7 +147,17 @@ def init_mirror(*, control_plane: str, dir: str, unit_path: str = DEFAULT_UNIT_P
         _must(run, ["chown", f"{user}:{user}", dir], f"giving {dir} to {user}")
         res.changed.append(f"created {dir}, owned by {user}")
 
-    text = unit_text(dir=dir, user=user, base=base, allow=allow, binary=binary)
+    # Made here, as root: the unit may write only inside the directory, and the token lives beside it.
+    token_file = default_token_file(dir)
+    res.token_file = str(token_file)
+    _, made = ensure_token(token_file)
+    if made:
+        _must(run, ["chown", f"{user}:{user}", str(token_file)], f"giving {token_file} to {user}")
+        res.changed.append(f"made the management API token {token_file} (mode 0600, owned by {user})")
+    else:
+        res.unchanged.append(f"the API token {token_file} exists")
+
+    text = unit_text(dir=dir, user=user, base=base, allow=allow, token_file=str(token_file), binary=binary)
     unit = Path(unit_path)
     try:
         old = unit.read_text() if unit.exists() else None

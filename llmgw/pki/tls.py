@@ -24,11 +24,13 @@ def _load(ctx: ssl.SSLContext, ca, cert, key) -> ssl.SSLContext:
     return ctx
 
 
-def server_context(ca, cert, key) -> ssl.SSLContext:
-    """A listener that accepts only clients holding a certificate from the authority in `ca`."""
+def server_context(ca, cert, key, *, require_client: bool = True) -> ssl.SSLContext:
+    """A listener that accepts only clients holding a certificate from the authority in `ca`;
+    with require_client=False a client may present none (and then needs another credential),
+    but one it presents must still come from that authority."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_mode = ssl.CERT_REQUIRED if require_client else ssl.CERT_OPTIONAL
     return _load(ctx, ca, cert, key)
 
 

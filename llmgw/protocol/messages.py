@@ -140,6 +140,12 @@ class StartShard(Message):
     hcas: list[str] | None = None  # the chosen fabric's adapters on this node
     mgmt_interface: str | None = None  # the agent replaces it with its own
     profile: EngineProfile | None = None
+    # The replica's own secret: the engine requires it and only the gateway sends it,
+    # so nobody reaches the engine around the gateway's keys and limits. The same on
+    # every shard of a replica; echoed back in RunningShard, so an adopted engine keeps
+    # its key. Never logged (repr=False keeps it out of any repr); None: none was made
+    # (a control plane from before keys), and the engine then answers anyone.
+    api_key: str | None = Field(default=None, repr=False)
     # Never interpreted by the agent; echoed back in RunningShard after a restart.
     pool: str | None = None
     fabric: str | None = None  # "nvl:<domain>" inside a multi-node NVLink domain

@@ -11,11 +11,13 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
+from pathlib import Path
 
 from aiohttp import web
 
 from llmgw import __version__
-from llmgw.config.server import ServerConfig
+from llmgw.httpserve import Runner, begin_drain, drain
+from llmgw.config.server import EndpointConfig, ServerConfig
 from llmgw.config.types import ListenAddress
 from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.server.control.agents import AgentService
@@ -24,12 +26,15 @@ from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_
 from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.fleet_metrics import FleetCollector
 from llmgw.server.control.reconciler import Reconciler
+from llmgw.server.admin.access import AccessError, AdminAccess, ensure_first_token
 from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
 from llmgw.server.gateway.auth import KeyCache
-from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
-from llmgw.server.gateway.errors import error_response
+from llmgw.files import SecretFileError
+from llmgw.server.gateway.endpoints import Endpoint, EndpointSet, read_endpoint_key
+from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.proxy import Gateway
-from llmgw.server.gateway.usage import UsageRecorder
+from llmgw.server.gateway.usage import JournalError, UsageRecorder
+from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
 from llmgw.server.metrics import GatewayMetrics
 from llmgw.server.pages.claim import ClaimPage
 from llmgw.store import Store
@@ -39,6 +44,13 @@ log = logging.getLogger("llmgw.server")
 
 class StartError(Exception):
     """The server could not start; the message says why and what to change."""
+
+
+def _endpoint_key(model: str, e: EndpointConfig) -> str | None:
+    try:
+        return read_endpoint_key(e.api_key)
+    except SecretFileError as exc:
+        raise StartError(f"model {model}, endpoint {e.url}: api_key: {exc}") from None
 
 
 class Server:
@@ -51,7 +63,8 @@ class Server:
         self.usage: UsageRecorder | None = None
         self.metrics = GatewayMetrics()
         eps = [
-            Endpoint(m.name, e.url, e.engine, e.model, config.router.breaker.failures, config.router.breaker.cooldown)
+            Endpoint(m.name, e.url, e.engine, e.model, config.router.breaker.failures, config.router.breaker.cooldown,
+                     api_key=_endpoint_key(m.name, e))
             for m in config.models for e in m.endpoints
         ]
         self.endpoints = EndpointSet(eps, config.router.scrape_interval, config.router.metrics_stale_after,
@@ -65,6 +78,9 @@ class Server:
         self.mirror: MirrorClient | None = None
         self._runners: list[web.AppRunner] = []
         self.started_at = time.time()
+        self.admin_token_file: Path | None = None
+        # Each listener's application by its server.yaml key, so every route can be listed with its guard.
+        self.apps: dict[str, web.Application] = {}
 
     async def start(self) -> None:
         cfg = self.config
@@ -72,6 +88,23 @@ class Server:
             self.store = await Store.open(cfg.auth.store)
         except Exception as exc:
             raise StartError(f"auth.store: {exc}") from exc
+        try:
+            self.admin_token_file = await ensure_first_token(self.store, cfg)
+        except AccessError as exc:
+            await self.store.close()
+            self.store = None
+            raise StartError(str(exc)) from None
+        # Before anything serves or reads usage: rows an earlier run could not write, so the
+        # budgets restored below count them.
+        self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit,
+                                   journal=UsageJournal(Path(cfg.data_path) / JOURNAL_NAME),
+                                   final_flush=cfg.usage.final_flush)
+        try:
+            await self.usage.replay_journal()
+        except JournalError as exc:
+            await self.store.close()
+            self.store = None
+            raise StartError(str(exc)) from None
         self.keys = KeyCache(self.store, default_rpm=cfg.auth.default_rpm, default_tpm=cfg.auth.default_tpm)
         await self.keys.load()
         if cfg.mirror is not None:
@@ -84,7 +117,6 @@ class Server:
             await self.catalog.load()
             for problem in self.catalog.problems:
                 log.warning("catalog: %s", problem)
-        self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit)
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
         if self.gateway.accountant is not None:
@@ -97,7 +129,7 @@ class Server:
         self.usage.start()
         try:
             await self._listen(cfg.listen, "listen", self._client_app())
-            await self._listen(cfg.admin_listen, "admin_listen", self._admin_app())
+            await self._listen(cfg.admin_listen, "admin_listen", self._admin_app(), self._admin_tls())
             if cfg.metrics_listen is not None:
                 await self._listen(cfg.metrics_listen, "metrics_listen", self._metrics_app())
             if cfg.control.enabled:
@@ -121,13 +153,16 @@ class Server:
 
     async def stop(self) -> None:
         # Listeners first (running requests get timeouts.drain to finish), then the
-        # background work, then one last usage flush, then the store.
+        # background work, then one last usage flush (usage.final_flush; what the store
+        # does not take by then goes to the journal), then the store. Every listener drains
+        # at once, and from the first moment its responses say `Connection: close`, so no
+        # client reuses a connection that is about to go.
+        begin_drain(self._runners)
         if self.reconciler is not None:
             # Engines keep running: a control plane that stops leaves its fleet serving,
             # and adopts it again when it comes back.
             await self.reconciler.stop()
-        for runner in reversed(self._runners):
-            await runner.cleanup()
+        await drain(self._runners)
         self._runners = []
         await self.endpoints.stop()
         if self.keys is not None:
@@ -192,8 +227,16 @@ class Server:
         for key in [k for k in self._static if k not in wanted]:
             self.endpoints.remove(self._static.pop(key))
         for (name, url), e in wanted.items():
-            if (name, url) not in self._static:
-                ep = Endpoint(name, url, e.engine, e.model, b.failures, b.cooldown)
+            try:
+                key = _endpoint_key(name, e)
+            except StartError as exc:
+                # The rest of the catalog still serves; this engine would refuse every request.
+                log.error("%s; it is not served until the file can be read and the catalog changes", exc)
+                continue
+            if (name, url) in self._static:
+                self._static[(name, url)].api_key = key  # a key file rewritten since is taken up
+            else:
+                ep = Endpoint(name, url, e.engine, e.model, b.failures, b.cooldown, api_key=key)
                 self._static[(name, url)] = ep
                 self.endpoints.add(ep)
         if self.reconciler is not None:
@@ -201,8 +244,7 @@ class Server:
 
     async def _listen(self, addr: ListenAddress, key: str, app: web.Application,
                       ssl_context: ssl.SSLContext | None = None) -> None:
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                               shutdown_timeout=self.config.timeouts.drain)
+        runner = Runner(app, error_body, handler_cancellation=True, shutdown_timeout=self.config.timeouts.drain)
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, addr.bind_host, addr.port, reuse_address=True, ssl_context=ssl_context)
@@ -228,15 +270,29 @@ class Server:
         ClaimPage(self.store).add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
+        self.apps["listen"] = app
         return app
 
     def _admin_app(self) -> web.Application:
-        app = web.Application(middlewares=[_json_errors])
+        assert self.store is not None
+        # The guard comes first: without a credential not even an unknown path is told apart.
+        app = web.Application(middlewares=[AdminAccess(self.store, self.config).guard.middleware(), _json_errors])
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
         AdminAPI(self).add_routes(app)
+        self.apps["admin_listen"] = app
         return app
+
+    def _admin_tls(self) -> ssl.SSLContext | None:
+        tls = self.config.admin_tls
+        if tls is None:
+            return None
+        try:
+            return server_context(tls.ca, tls.cert, tls.key, require_client=False)
+        except PKIError as exc:
+            raise StartError(f"admin_tls: {exc} (create them with `llmgw ctl cert init-ca` and "
+                             "`llmgw ctl cert issue-server NAME...`)") from None
 
     def _agent_tls(self) -> ssl.SSLContext | None:
         tls = self.config.agent_tls
@@ -257,11 +313,13 @@ class Server:
                                    unreachable_after=c.unreachable_after, lost_after=c.lost_after)
         app = web.Application()
         self.agents.add_routes(app)
+        self.apps["agent_listen"] = app
         return app
 
     def _metrics_app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        self.apps["metrics_listen"] = app
         return app
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -145,7 +145,7 @@ class _StateCollector:
         yield replicas
         if self._usage is not None:
             yield GaugeMetricFamily("llmgw_usage_pending", "Usage rows waiting to be written to the store.", value=self._usage.pending)
-            yield CounterMetricFamily("llmgw_usage_dropped", "Usage rows dropped because the store did not keep up.", value=self._usage.dropped)
+            yield CounterMetricFamily("llmgw_usage_dropped", "Usage rows lost: the queue was full while the store did not keep up, or at shutdown the usage journal could not be written, or a journal line was damaged.", value=self._usage.dropped)
 
 
 class _AdmissionCollector:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 from sqlalchemy.engine import URL, make_url
 
 from .errors import StoreError, mask_password
+
+log = logging.getLogger("llmgw.store")
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _POSTGRES_SCHEMES = {"postgres", "postgresql", "postgresql+asyncpg"}
@@ -91,11 +94,17 @@ def _sqlite_url(path: str, origin: str) -> str:
     if path.endswith(("/", os.sep)) or os.path.isdir(full):
         raise StoreError(f"The store address {path}{origin} is a directory; give a file "
                          f"inside it, for example {os.path.join(full, 'llmgw.db')}.")
-    try:
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-    except OSError as e:
-        raise StoreError(f"Could not create the directory for the SQLite store {full}{origin} "
-                         f"({e.strerror or e}); create it or choose another path.") from None
+    directory = os.path.dirname(full)
+    if not os.path.isdir(directory):
+        # Created, not refused: a first start on a fresh machine needs it. Said so, because
+        # a mistyped path also lands here, and would start on an empty store without keys.
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"Could not create the directory for the SQLite store {full}{origin} "
+                             f"({e.strerror or e}); create it or choose another path.") from None
+        log.warning("created %s for the SQLite store %s: it did not exist (if that path is a typo, "
+                    "fix auth.store; this store starts empty)", directory, full)
     return URL.create("sqlite+aiosqlite", database=full).render_as_string(hide_password=False)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -53,6 +54,9 @@ class UsageRow:
     team_id: str | None = None
     org_id: str | None = None
     cost_micros: int = 0
+    # Random per request, unique in the store: writing a row twice (a retried batch, a
+    # journal replayed again after a crash) stores it once. None only on rows older than 0005.
+    request_id: str | None = field(default_factory=lambda: secrets.token_hex(16))
     id: int | None = None  # set by the database; ignored on insert
 
 

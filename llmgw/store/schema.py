@@ -76,6 +76,9 @@ usage = Table(
     Column("team_id", String(32), nullable=True),
     Column("org_id", String(32), nullable=True),
     Column("cost_micros", BigInteger, nullable=False, server_default="0"),
+    # Unique per request (0005): a row replayed from the usage journal is written once.
+    Column("request_id", String(32), nullable=True),
+    Index("ux_usage_request_id", "request_id", unique=True),
     # Per-key usage pages read a key's newest rows.
     Index("ix_usage_key_id_at", "key_id", "at"),
 )
@@ -174,6 +177,18 @@ key_claims = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
     Column("used_at", UTCDateTime, nullable=True),
+)
+
+# Credentials of the admin API (0005): random tokens, kept as sha256 with a visible prefix.
+admin_tokens = Table(
+    "admin_tokens", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("name", Text, nullable=False),
+    Column("prefix", String(32), nullable=False),
+    Column("hash", String(64), nullable=False, unique=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("revoked_at", UTCDateTime, nullable=True),
+    Column("last_used_at", UTCDateTime, nullable=True),
 )
 
 # Every change to keys, the tree, people, memberships or limits runs this in its

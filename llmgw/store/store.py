@@ -21,6 +21,7 @@ from .keyrows import (KEY_COLS as _KEY_COLS, PREFIX_LEN, SECRET_PREFIX, check_ke
                       hash_secret, key_from_row as _key, new_secret as _new_secret)
 from .migrate import WRITE, upgrade_to_head
 from .tenancy import TenancyMixin
+from .admin_tokens import AdminTokensMixin
 from .records import KeyRecord, UsageRow, utcnow
 from .schema import BUMP_GENERATION, KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, node_marks, store_state, usage
 
@@ -40,6 +41,12 @@ _TOUCH_KEY = (update(api_keys)
                      or_(api_keys.c.last_used_at.is_(None),
                          api_keys.c.last_used_at < bindparam("k_at", type_=UTCDateTime())))
               .values(last_used_at=bindparam("k_at", type_=UTCDateTime())))
+# A row whose request_id is already stored is skipped, so a batch written twice (a retry
+# after an ambiguous failure, a journal replayed again) is stored once; same on both dialects.
+_INSERT_USAGE = {
+    "postgresql": postgresql.insert(usage).on_conflict_do_nothing(index_elements=[usage.c.request_id]),
+    "sqlite": sqlite.insert(usage).on_conflict_do_nothing(index_elements=[usage.c.request_id]),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +104,7 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store(TenancyMixin):
+class Store(TenancyMixin, AdminTokensMixin):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):
@@ -245,7 +252,7 @@ class Store(TenancyMixin):
 
     async def insert_usage(self, rows: Sequence[UsageRow]) -> None:
         """Insert a batch in one transaction and move each key's last_used_at to the
-        batch's latest time for it."""
+        batch's latest time for it. Rows whose request_id is already stored are skipped."""
         if not rows:
             return
         values = [{"at": r.at, "key_id": r.key_id, "project": r.project, "model": r.model,
@@ -253,14 +260,15 @@ class Store(TenancyMixin):
                    "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
                    "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "status": r.status,
                    "stream": r.stream, "user_id": r.user_id, "project_id": r.project_id,
-                   "team_id": r.team_id, "org_id": r.org_id, "cost_micros": r.cost_micros}
+                   "team_id": r.team_id, "org_id": r.org_id, "cost_micros": r.cost_micros,
+                   "request_id": r.request_id}
                   for r in rows]
         latest: dict[str, datetime] = {}
         for r in rows:
             if r.key_id is not None and (r.key_id not in latest or r.at > latest[r.key_id]):
                 latest[r.key_id] = r.at
         async with self._writer.begin() as conn:
-            await conn.execute(usage.insert(), values)
+            await conn.execute(_INSERT_USAGE[conn.dialect.name], values)
             if latest:
                 # Sorted, so concurrent batches lock key rows in one order (no deadlock).
                 await conn.execute(_TOUCH_KEY, [{"k_id": k, "k_at": latest[k]}

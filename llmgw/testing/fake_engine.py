@@ -13,6 +13,9 @@ In-process::
         client = openai.AsyncOpenAI(base_url=fe.base_url, api_key="x")
         fe.fail_next(2, status=503)
 
+With ``api_key`` set, every route but /health wants ``Authorization: Bearer
+<key>`` and answers 401 without it, as llama-server with --api-key does.
+
 As a process (prints its URL on stdout once listening)::
 
     python -m llmgw.testing.fake_engine --port 8081 --tokens 64 --token-ms 5
@@ -43,7 +46,7 @@ import orjson
 from aiohttp import web
 
 FLAVOURS = ("llamacpp", "llamacpp-legacy", "vllm")
-FAULT_MODES = ("status", "close", "midstream", "hang")
+FAULT_MODES = ("status", "close", "midstream", "hang", "stall")
 
 # Completion text is built from these; each one counts as one token.
 _WORDS = (
@@ -122,10 +125,10 @@ def fake_embedding(item: Any, dim: int) -> list[float]:
 class Fault:
     """One injected failure, consumed by one inference request."""
 
-    mode: str = "status"  # status | close | midstream | hang
+    mode: str = "status"  # status | close | midstream | hang | stall
     status: int = 500
     message: str = "injected failure"
-    after_tokens: int = 1  # midstream: tokens sent before the connection drops
+    after_tokens: int = 1  # midstream, stall: tokens sent before the connection drops or the stream stalls
 
 
 @dataclass
@@ -189,6 +192,7 @@ class FakeEngine:
         embedding_dim: int = 64,
         kv_capacity_tokens: int = 32768,
         record: bool = True,
+        api_key: str | None = None,
     ) -> None:
         if metrics not in FLAVOURS:
             raise ValueError(f"metrics must be one of {FLAVOURS}, not {metrics!r}")
@@ -202,6 +206,10 @@ class FakeEngine:
         self.embedding_dim = embedding_dim
         self.kv_capacity_tokens = kv_capacity_tokens
         self.record = record
+        # Set before start: the check is only installed when there is a key, so a
+        # benchmark without one pays nothing for it.
+        self.api_key = api_key
+        self.unauthorized = 0  # requests refused for a missing or wrong key
         # While True, /health and inference answer 503 "Loading model" (llama.cpp's startup).
         self.loading = False
         self.requests: list[RecordedRequest] = []
@@ -217,10 +225,14 @@ class FakeEngine:
         # Live gauges and counters behind /metrics.
         self.processing = 0
         self.waiting = 0
+        self.peak_waiting = 0  # the longest its own queue ever was (admission tests read it)
         self.kv_tokens = 0
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
+        # Every output token made, streams cut by either side included (completion_tokens_total
+        # counts finished requests only): what a gateway should charge for.
+        self.tokens_generated = 0
         self.prompt_seconds_total = 0.0
         self.predict_seconds_total = 0.0
         self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
@@ -248,7 +260,8 @@ class FakeEngine:
         return self.processing + self.waiting
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024,
+                              middlewares=[self._require_key] if self.api_key else [])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
@@ -295,7 +308,9 @@ class FakeEngine:
         mode ``status``: answer ``status`` with an OpenAI-style error body;
         ``close``: drop the connection without answering; ``midstream``:
         send ``after_tokens`` tokens of a stream then drop the connection
-        (non-streaming requests are dropped at once); ``hang``: never answer.
+        (non-streaming requests are dropped at once); ``hang``: never answer;
+        ``stall``: send ``after_tokens`` tokens of a stream, then nothing more
+        until the client leaves (an engine still generating when the client cuts).
         """
         if mode not in FAULT_MODES:
             raise ValueError(f"mode must be one of {FAULT_MODES}")
@@ -308,12 +323,21 @@ class FakeEngine:
     def reset_stats(self) -> None:
         self.requests.clear()
         self.requests_total = self.prompt_tokens_total = self.completion_tokens_total = 0
+        self.tokens_generated = 0
         self.prompt_seconds_total = self.predict_seconds_total = 0.0
         self.finished = {"stop": 0, "length": 0, "abort": 0}
         self._ttft_hist = _Histogram(_TTFT_BUCKETS)
         self._e2e_hist = _Histogram(_E2E_BUCKETS)
 
     # ------------------------------------------------------------ helpers
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler) -> web.StreamResponse:
+        # llama-server's rule: /health is open (a load balancer's probe), everything else wants the key.
+        if request.path != "/health" and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            self.unauthorized += 1
+            return self._error(401, "Invalid API Key")
+        return await handler(request)
 
     def _new_id(self, prefix: str) -> str:
         self._id_counter += 1
@@ -353,7 +377,7 @@ class FakeEngine:
             return None, None
         if fault.mode == "status":
             return None, self._error(fault.status, fault.message)
-        if fault.mode == "close" or (fault.mode == "midstream" and not body.get("stream")):
+        if fault.mode == "close" or (fault.mode in ("midstream", "stall") and not body.get("stream")):
             self._drop(request)
             return None, web.Response(status=500)  # never reaches the client
         return fault, None
@@ -382,6 +406,7 @@ class FakeEngine:
         if self._slots is None:
             return
         self.waiting += 1
+        self.peak_waiting = max(self.peak_waiting, self.waiting)
         try:
             await self._slots.acquire()
         finally:
@@ -438,6 +463,7 @@ class FakeEngine:
                 return await self._stream(request, body, prompt_tokens, n, finish, kind, fault, t0)
             if self.token_ms and n:
                 await asyncio.sleep(self.token_ms * n / 1000)
+            self.tokens_generated += n
             self._account(prompt_tokens, n, finish, t0, None)
             created = int(time.time())
             usage = self._usage(prompt_tokens, n)
@@ -514,12 +540,13 @@ class FakeEngine:
 
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
-        drop_at = fault.after_tokens if fault is not None and fault.mode == "midstream" else None
+        drop_at = fault.after_tokens if fault is not None and fault.mode in ("midstream", "stall") else None
         t_first: float | None = None
         try:
             if not self.token_ms and drop_at is None:
                 # No pacing: one write for the whole stream.
                 t_first = time.perf_counter()
+                self.tokens_generated += n
                 await resp.write(first + b"".join(chunk(i) for i in range(n)) + last + end)
             else:
                 if first:
@@ -529,11 +556,14 @@ class FakeEngine:
                         break
                     if i and self.token_ms:
                         await asyncio.sleep(self.token_ms / 1000)
+                    self.tokens_generated += 1
                     await resp.write(chunk(i))
                     if t_first is None:
                         t_first = time.perf_counter()
                 if drop_at is not None:
                     self.finished["abort"] += 1
+                    if fault is not None and fault.mode == "stall":
+                        return await self._hang(request)
                     self._drop(request)
                     return resp
                 await resp.write(last + end)
@@ -723,6 +753,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics", choices=FLAVOURS, default="llamacpp", help="metric names to export")
     ap.add_argument("--slots", type=int, default=0, help="concurrent requests before queueing (0: unlimited)")
     ap.add_argument("--embedding-dim", type=int, default=64)
+    ap.add_argument("--api-key", default=None, help="require this bearer key on every route but /health")
     return ap
 
 
@@ -730,7 +761,7 @@ async def _serve(args: argparse.Namespace) -> None:
     fe = FakeEngine(
         host=args.host, port=args.port, model=args.model, ttft_ms=args.ttft_ms,
         token_ms=args.token_ms, tokens=args.tokens, metrics=args.metrics,
-        slots=args.slots or None, embedding_dim=args.embedding_dim, record=False,
+        slots=args.slots or None, embedding_dim=args.embedding_dim, record=False, api_key=args.api_key,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,3 +1,5 @@
+import asyncio
+import secrets
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,24 @@ def engines(llama_server_bin, tiny_model, tmp_path):
     yield start
     for e in started:
         e.kill()
+
+
+@pytest.fixture
+def pg_address():
+    """A throwaway PostgreSQL database on 127.0.0.1:5432, dropped afterwards."""
+    asyncpg = pytest.importorskip("asyncpg")
+    name = f"llmgw_e2e_{secrets.token_hex(4)}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres", timeout=5)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    try:
+        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError) as exc:
+        require("PostgreSQL", f"no PostgreSQL answered on 127.0.0.1:5432 ({exc})")
+    yield f"postgres://postgres@127.0.0.1:5432/{name}"
+    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

@@ -117,6 +117,8 @@ class Gateway(Proc):
             "admin_listen": f"127.0.0.1:{self.admin_port}",
             "metrics_listen": None,
             "auth": {"enabled": True, "store": self.store},
+            # The admin token is made here at the first start (data_dir/admin-token).
+            "data_dir": str(workdir),
             "router": {"scrape_interval": "250ms", "breaker": {"failures": 2, "cooldown": "30s"}},
             "usage": {"flush_interval": "200ms"},
             "models": models,
@@ -135,6 +137,21 @@ class Gateway(Proc):
         if ready:
             wait_http(self.url + "/ready", self.proc, timeout, self.log)
         return self
+
+    @property
+    def token_file(self) -> Path:
+        """The admin token the server made at its first start."""
+        return Path(yaml.safe_load(self.config.read_text())["data_dir"]) / "admin-token"
+
+    @property
+    def admin_auth(self) -> dict[str, str]:
+        """Headers that open the admin API."""
+        return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
+
+    def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """`llmgw ctl ARGS` against this server's admin API, with its token."""
+        return subprocess.run(llmgw_cmd("ctl", *args, "--server", self.admin, "--token-file", str(self.token_file)),
+                              capture_output=True, text=True, timeout=timeout)
 
     def keys(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(llmgw_cmd("keys", *args, "--config", str(self.config)), capture_output=True,

@@ -50,13 +50,13 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
     try:
         deadline = time.monotonic() + 30
         while True:
-            nodes = {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes").json()["nodes"]}
+            nodes = {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]}
             if "node-a" in nodes and nodes["node-a"]["memory"]:
                 break
             assert time.monotonic() < deadline, f"node-a did not register:\n{good.text()[-3000:]}\n{gw.text()[-3000:]}"
             time.sleep(0.2)
         assert nodes["node-a"]["state"] == "ready" and nodes["node-a"]["connected"]
-        listing = subprocess.run(llmgw_cmd("ctl", "nodes", "--admin", gw.admin), capture_output=True, text=True, timeout=60)
+        listing = subprocess.run(llmgw_cmd("ctl", "nodes", "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True, timeout=60)
         assert listing.returncode == 0 and "node-a" in listing.stdout and "ready" in listing.stdout, listing.stderr
         deadline = time.monotonic() + 15
         while "the certificate is for node-b but the agent claims to be node-c" not in impostor.text():
@@ -65,7 +65,7 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
         assert "node-c" not in nodes
 
         def ctl(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run(llmgw_cmd(*args, "--admin", gw.admin), capture_output=True, text=True, timeout=60)
+            return subprocess.run(llmgw_cmd(*args, "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True, timeout=60)
 
         # Logs come through the agent's own stream.
         r = ctl("ctl", "logs", "node-a", "-n", "50")
@@ -80,14 +80,14 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
         assert r.returncode == 1 and "ready" in r.stderr
         assert good.stop() == 0, good.text()[-3000:]
         deadline = time.monotonic() + 15
-        while {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes").json()["nodes"]}["node-a"]["state"] != "lost":
+        while {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]}["node-a"]["state"] != "lost":
             assert time.monotonic() < deadline, "node-a did not become lost"
             time.sleep(0.2)
         r = ctl("ctl", "logs", "node-a")
         assert r.returncode == 1 and "not connected" in r.stderr
         r = ctl("node", "remove", "node-a")
         assert r.returncode == 0 and "removed node-a" in r.stdout, r.stderr
-        assert all(n["node_id"] != "node-a" for n in httpx.get(gw.admin + "/api/v1/nodes").json()["nodes"])
+        assert all(n["node_id"] != "node-a" for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"])
     finally:
         if good.alive():
             good.stop()
@@ -110,7 +110,7 @@ def test_catalog_commands_against_a_running_control_plane(tmp_path, tiny_model):
                  control={"enabled": True}).wait_up(ready=False)
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(llmgw_cmd("ctl", *args, "--admin", gw.admin), capture_output=True, text=True, timeout=60)
+        return subprocess.run(llmgw_cmd("ctl", *args, "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True, timeout=60)
 
     try:
         model = tmp_path / "model.yaml"
@@ -144,10 +144,10 @@ def test_catalog_commands_against_a_running_control_plane(tmp_path, tiny_model):
         gw2 = Gateway(tmp_path, models=[declared], store=gw.store, agent_listen=f"127.0.0.1:{free_port()}",
                       agent_tls=None, control={"enabled": True}).wait_up(ready=False)
         try:
-            r = subprocess.run(llmgw_cmd("ctl", "models", "--json", "--admin", gw2.admin), capture_output=True,
+            r = subprocess.run(llmgw_cmd("ctl", "models", "--json", "--server", gw2.admin, "--token-file", str(gw2.token_file)), capture_output=True,
                                text=True, timeout=60)
             assert '"tiny"' in r.stdout and '"min": 2' in r.stdout
-            r = subprocess.run(llmgw_cmd("ctl", "model", "remove", "tiny", "--admin", gw2.admin),
+            r = subprocess.run(llmgw_cmd("ctl", "model", "remove", "tiny", "--server", gw2.admin, "--token-file", str(gw2.token_file)),
                                capture_output=True, text=True, timeout=60)
             assert r.returncode == 0 and "removed tiny" in r.stdout
         finally:

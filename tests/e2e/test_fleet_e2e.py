@@ -49,7 +49,7 @@ class Fleet:
         self.procs = procs  # everything whose log explains a failure
 
     def api(self, path: str) -> dict:
-        return httpx.get(self.gw.admin + path, timeout=10).json()
+        return httpx.get(self.gw.admin + path, headers=self.gw.admin_auth, timeout=10).json()
 
     def replicas(self, model: str | None = None) -> list[dict]:
         return self.api("/api/v1/replicas" + (f"?model={model}" if model else ""))["replicas"]
@@ -74,7 +74,7 @@ class Fleet:
         return rs if len(rs) == n and len(self.replicas(model)) == n else []
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(llmgw_cmd(*args, "--admin", self.gw.admin), capture_output=True, text=True, timeout=60)
+        return subprocess.run(llmgw_cmd(*args, "--server", self.gw.admin, "--token-file", str(self.gw.token_file)), capture_output=True, text=True, timeout=60)
 
 
 def _pids(replicas: list[dict]) -> dict[str, int]:

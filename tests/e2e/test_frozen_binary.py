@@ -119,8 +119,9 @@ def test_tenancy_and_the_mirrors_architecture_check(frozen_llmgw: Path, tmp_path
     w.close()
     base, stop = serve_files({"/foo.gguf": (tmp_path / "foo.gguf").read_bytes()})
     try:
+        # The stand-in is on loopback, which the mirror fetches from only when told.
         r = run("mirror", "--dir", str(tmp_path / "mirror"), "add", f"{base}/foo.gguf", "--model", "foo",
-                "--version", "v1")
+                "--version", "v1", "--allow-local-sources")
     finally:
         stop()
     assert r.returncode == 1 and "cannot load architecture 'foo'" in r.stderr, r.stdout + r.stderr
@@ -182,9 +183,20 @@ def test_server_keys_and_stop(frozen_llmgw: Path, tmp_path: Path) -> None:
         r = httpx.get(url + "/ready", timeout=5.0)
         assert r.status_code == 503, f"/ready answered {r.status_code} with no engine: {r.text}\n{server.output()}"
 
+        # The admin listener wants the token the frozen server made at its first start; the frozen
+        # ctl finds it in data_dir (the store's directory) and reads the API through it.
         r = httpx.get(admin + "/metrics", timeout=5.0)
+        assert r.status_code == 401, f"admin /metrics answered {r.status_code} without a token"
+        token = (tmp_path / "admin-token").read_text().strip()
+        r = httpx.get(admin + "/metrics", timeout=5.0, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200 and "llmgw_" in r.text, (
             f"admin /metrics answered {r.status_code}: {r.text[:2000]}\n{server.output()}")
+        c = subprocess.run([str(frozen_llmgw), "ctl", "models", "--json", "--server", admin,
+                            "--token-file", str(tmp_path / "admin-token")],
+                           cwd=tmp_path, env=_clean_env(), stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=60)
+        assert c.returncode != 0 and "not a control plane" in c.stderr, (
+            f"ctl models against a plain gateway:\n{c.stdout}{c.stderr}")
 
         # A key made by the same binary, against the same store, while the server runs.
         k = subprocess.run([str(frozen_llmgw), "keys", "create", "--name", "frozen", "--config", str(config)],

@@ -171,14 +171,14 @@ def test_revoked_key_refused_within_two_seconds(cluster):
 def test_metrics_and_endpoint_status(cluster):
     gw, chat, _, client = cluster
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
-    text = httpx.get(gw.admin + "/metrics").text
+    text = httpx.get(gw.admin + "/metrics", headers=gw.admin_auth).text
     assert 'llmgw_requests_total{model="tiny",route="chat",status="200"} 1.0' in text
     assert "llmgw_request_duration_seconds_bucket" in text
     assert 'llmgw_tokens_total{direction="completion",model="tiny"}' in text
     for e in chat:
         assert f'llmgw_endpoint_healthy{{engine="llamacpp",model="tiny",replica="{e.url}"}} 1.0' in text
     assert "llmgw_endpoint_kv_cache_usage" in text or "llmgw_endpoint_running" in text
-    status = httpx.get(gw.admin + "/api/v1/endpoints").json()["endpoints"]
+    status = httpx.get(gw.admin + "/api/v1/endpoints", headers=gw.admin_auth).json()["endpoints"]
     assert {s["url"] for s in status} >= {e.url for e in chat}
     assert all(s["healthy"] and not s["metrics_stale"] for s in status)
 
@@ -193,7 +193,7 @@ def test_one_engine_killed_traffic_continues(cluster):
         chunks = list(client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "s"}], max_tokens=4, stream=True))
         assert chunks
-    status = {s["url"]: s for s in httpx.get(gw.admin + "/api/v1/endpoints").json()["endpoints"]}
+    status = {s["url"]: s for s in httpx.get(gw.admin + "/api/v1/endpoints", headers=gw.admin_auth).json()["endpoints"]}
     assert not status[chat[0].url]["available"]
     chat[1].kill()
     with pytest.raises(openai.APIStatusError) as ei:

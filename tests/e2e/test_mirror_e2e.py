@@ -25,6 +25,8 @@ import pytest
 import yaml
 
 from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_http, wait_until
+from llmgw.mirror.api import ApiAccess, api_app, default_token_file, ensure_token
+from llmgw.mirror.fetcher import Manager
 
 pytestmark = pytest.mark.e2e
 
@@ -144,12 +146,16 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
 
     # The llama.cpp release archive goes into the mirror first, with its checksum kept.
     asset = f"llama-{TAG}-bin-ubuntu-x64.tar.gz"
+    # The release server is on loopback: the operator's own, so allowed by name.
     r = subprocess.run(llmgw_cmd("mirror", "--dir", str(mirror_dir), "add", f"{releases}/{TAG}/{asset}",
-                                 "--model", "llama.cpp", "--version", TAG, "--base", base),
+                                 "--model", "llama.cpp", "--version", TAG, "--base", base, "--allow-local-sources"),
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "sha256 " in r.stdout and f"source: {base}/llama.cpp/{TAG}/{asset}" in r.stdout
 
+    # Made beforehand, as `llmgw mirror init` does, so the control plane can read it at its start.
+    token_file = default_token_file(mirror_dir)
+    ensure_token(token_file)
     mirror = Proc(llmgw_cmd("mirror", "--dir", str(mirror_dir), "serve", "--listen", f"127.0.0.1:{wport}",
                             "--api-listen", f"0.0.0.0:{aport}", "--base", base, "--api-allow", "10.255.255.1"),
                   tmp_path / "mirror.log", env=env)
@@ -158,7 +164,7 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
     gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{agent_port}", agent_tls=None,
                  control={"enabled": True, "interval": "500ms", "base_backoff": "1s"},
                  engines={"llamacpp": TAG, "release_url": f"{base}/llama.cpp"},
-                 mirror={"api": f"http://127.0.0.1:{aport}"})
+                 mirror={"api": f"http://127.0.0.1:{aport}", "token_file": str(token_file)})
     procs.append(gw)
     agent = None
     engine_pids: list[int] = []
@@ -168,7 +174,7 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         gw.wait_up(ready=False)
 
         def ctl(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run(llmgw_cmd("ctl", *args, "--admin", gw.admin), capture_output=True, text=True,
+            return subprocess.run(llmgw_cmd("ctl", *args, "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True,
                                   timeout=120)
 
         # A gated repository without a token: refused with what to do, nothing kept.
@@ -215,7 +221,8 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         r = ctl("mirror", "serve", "tiny", "v1", "--min", "1")
         assert r.returncode == 0 and f"from {base}/tiny/v1/tiny.gguf" in r.stdout, r.stdout + r.stderr
         mirror_bin = llmgw_cmd("mirror", "--dir", str(mirror_dir), "remove", "--model", "tiny", "--version", "v1",
-                               "--file", "tiny.gguf", "--server", gw.admin.removeprefix("http://"), "--base", base)
+                               "--file", "tiny.gguf", "--server", gw.admin.removeprefix("http://"), "--base", base,
+                               "--token-file", str(gw.token_file))
         r = subprocess.run(mirror_bin, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "a model still refers to tiny/v1/tiny.gguf" in r.stderr, r.stdout + r.stderr
         assert (mirror_dir / "tiny" / "v1" / "tiny.gguf").exists()
@@ -230,7 +237,7 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         }))
         agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log", env=env)
         procs.append(agent)
-        rows = wait_until(lambda: [r for r in httpx.get(gw.admin + "/api/v1/replicas").json()["replicas"]
+        rows = wait_until(lambda: [r for r in httpx.get(gw.admin + "/api/v1/replicas", headers=gw.admin_auth).json()["replicas"]
                               if r["state"] == "ready"], 120, "the replica from the mirror to be ready", procs)
         engine_pids = [s["pid"] for r in rows for s in r["shards"] if s.get("pid")]
         # The engine and the weights both came from the mirror.
@@ -252,3 +259,79 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
                 pass
         stop_releases()
         hf.close()
+
+
+def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_plane_drives_it_with_its_copy(
+        tmp_path):
+    small = os.urandom(50_000)
+    hf = HuggingFace({"acme/small": {"small.bin": small}}, gated=set())
+    page = HuggingFace({}, gated=set())  # another server on loopback: a page only this machine should see
+    mirror_dir = tmp_path / "models"
+    mirror_dir.mkdir()
+    wport, aport = free_port(), free_port()
+    base, api = f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{aport}"
+    # HF_ENDPOINT on loopback is the operator's own setting: the one local source fetched without the flag.
+    env = {**os.environ, "HF_ENDPOINT": hf.url, "PYTHONUNBUFFERED": "1"}
+    mirror = Proc(llmgw_cmd("mirror", "--dir", str(mirror_dir), "serve", "--listen", f"127.0.0.1:{wport}",
+                            "--api-listen", f"127.0.0.1:{aport}", "--base", base), tmp_path / "mirror.log", env=env)
+    procs: list[Proc] = [mirror]
+    try:
+        wait_http(f"{api}/v1/health", mirror.proc, 30, mirror.log)
+        token_file = tmp_path / "models.api-token"
+        token = token_file.read_text().strip()
+        assert (token_file.stat().st_mode & 0o777) == 0o600
+        assert f"made the management API token {token_file}" in mirror.text()
+        assert f"credential: the token in {token_file}" in mirror.text()
+        auth = {"Authorization": f"Bearer {token}"}
+
+        # Every route of the app the mirror serves (taken from its router, so a route added later is
+        # in this list too) refuses a request without the token, and says where the token is.
+        app = api_app(Manager(tmp_path / "unused"), mirror_dir, base, ApiAccess(token="x", token_file="x"))
+        routes = [(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"]
+        assert ("POST", "/v1/models") in routes and ("DELETE", "/v1/models/{model}/{version}") in routes
+        for method, path in routes:
+            r = httpx.request(method, api + path.replace("{model}", "m").replace("{version}", "v"),
+                              json={} if method == "POST" else None)
+            if path == "/v1/health":
+                assert r.status_code == 200  # the probe
+                continue
+            assert r.status_code == 401 and str(token_file) in r.json()["error"]["message"], (method, path, r.text)
+
+        # A web page's cross-origin text/plain POST (no CORS preflight) is refused even with the token,
+        # and nothing is fetched.
+        body = json.dumps({"source": "hf:acme/small/small.bin", "model": "small", "version": "v1"})
+        r = httpx.post(f"{api}/v1/models", content=body,
+                       headers={**auth, "Origin": "http://evil.example", "Content-Type": "text/plain"})
+        assert r.status_code == 403 and "web pages" in r.json()["error"]["message"]
+        r = httpx.post(f"{api}/v1/models", content=body, headers={**auth, "Content-Type": "text/plain"})
+        assert r.status_code == 415
+        # A DNS-rebinding page's requests name its own host.
+        r = httpx.get(f"{api}/v1/models", headers={**auth, "Host": f"evil.example:{aport}"})
+        assert r.status_code == 421
+        assert hf.requests == [] and httpx.get(f"{api}/v1/models", headers=auth).json()["models"] == []
+
+        # The control plane holds its own copy of the token (as `llmgw mirror init` tells the operator).
+        copy = tmp_path / "cp" / "mirror-token"
+        copy.parent.mkdir()
+        copy.write_text(token + "\n")
+        copy.chmod(0o600)
+        gw = Gateway(tmp_path / "cp", models=[], mirror={"api": api, "token_file": str(copy)})
+        procs.append(gw)
+        gw.wait_up(ready=False)
+        r = gw.ctl("mirror", "fetch", "hf:acme/small/small.bin", "--model", "small", "--version", "v1", "--wait",
+                   timeout=120)
+        assert r.returncode == 0 and "is present" in r.stdout, r.stdout + r.stderr
+        assert (mirror_dir / "small" / "v1" / "small.bin").read_bytes() == small
+        assert httpx.get(f"{base}/small/v1/small.bin").content == small
+
+        # A page on this machine's loopback is not fetched (and so not republished on the byte port).
+        r = gw.ctl("mirror", "fetch", f"{page.url}/internal.bin", "--model", "internal", "--version", "v1", timeout=60)
+        assert r.returncode == 1 and "is a loopback address" in r.stderr and "--allow-local-sources" in r.stderr, \
+            r.stdout + r.stderr
+        assert page.requests == [] and not (mirror_dir / "internal").exists()
+    finally:
+        for p in reversed(procs):
+            if p.alive():
+                p.stop()
+        hf.close()
+        page.close()

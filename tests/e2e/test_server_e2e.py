@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 import shutil
 import subprocess
 import time
@@ -23,7 +22,10 @@ def test_shipped_example_starts(tmp_path):
     p = Proc(llmgw_cmd("server", "--config", "server.yaml"), tmp_path / "log.txt", cwd=tmp_path)
     try:
         wait_http("http://127.0.0.1:8080/health", p.proc, 30, p.log)
-        wait_http("http://127.0.0.1:9090/metrics", p.proc, 5, p.log)
+        # The admin listener wants the admin token the first start made beside the store.
+        wait_http("http://127.0.0.1:9090/metrics", p.proc, 5, p.log, status=401)
+        token = (tmp_path / "admin-token").read_text().strip()
+        assert httpx.get("http://127.0.0.1:9090/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
         wait_http("http://127.0.0.1:9091/metrics", p.proc, 5, p.log)
         # No engine runs at the example's addresses, so it is up but not ready.
         assert httpx.get("http://127.0.0.1:8080/ready").status_code == 503
@@ -49,28 +51,6 @@ def test_port_in_use_is_a_clear_error(tmp_path):
         assert f"listen 127.0.0.1:{first.port}: the address is already in use" in second.text()
     finally:
         assert first.stop() == 0
-
-
-@pytest.fixture
-def pg_address():
-    asyncpg = pytest.importorskip("asyncpg")
-    name = f"llmgw_e2e_{secrets.token_hex(4)}"
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres", timeout=5)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    try:
-        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError) as exc:
-        from harness import require
-
-        require("PostgreSQL", f"no PostgreSQL answered on 127.0.0.1:5432 ({exc})")
-    yield f"postgres://postgres@127.0.0.1:5432/{name}"
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def test_postgresql_store_keys_usage_and_revocation(engines, tmp_path, pg_address):

@@ -129,6 +129,7 @@ class Up:
         # Without a stand-in nothing listens at HF_ENDPOINT: the starter fetch fails at once, as it does offline.
         env = {**os.environ, "HF_ENDPOINT": hf or f"http://127.0.0.1:{free_port()}",
                "XDG_DATA_HOME": str(tmp_path / "xdg"), "PYTHONUNBUFFERED": "1"}
+        self.env = env
         with open(self.out, "w") as o, open(self.err, "w") as e:
             self.proc = subprocess.Popen(llmgw_cmd("up", "--port", str(self.port), "--admin-port", str(self.admin),
                                                    "--ctx-size", "2048", *args),
@@ -177,9 +178,10 @@ def _catalog(data: Path) -> tuple[str, str]:
     return cfg["models"][0]["source"], base
 
 
-def _ctl_mirror_list(admin: int) -> list[dict]:
-    r = subprocess.run(llmgw_cmd("ctl", "mirror", "list", "--json", "--admin", f"http://127.0.0.1:{admin}"),
-                       capture_output=True, text=True, timeout=60)
+def _ctl_mirror_list(up: "Up") -> list[dict]:
+    # No --token-file: ctl finds the token up made in its default data directory by itself.
+    r = subprocess.run(llmgw_cmd("ctl", "mirror", "list", "--json", "--server", f"http://127.0.0.1:{up.admin}"),
+                       capture_output=True, text=True, timeout=60, env=up.env)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)["models"]
 
@@ -205,7 +207,7 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
         # The agent fetched the weights from the mirror: it holds its own copy.
         assert any(p.stat().st_size == tiny.stat().st_size for p in (data / "weights").rglob("*") if p.is_file())
         # `llmgw ctl mirror …` works against up's control plane.
-        (held,) = _ctl_mirror_list(first.admin)
+        (held,) = _ctl_mirror_list(first)
         assert (held["model"], held["version"], held["state"], held["used_by"]) == ("tiny-test", "v1", "present",
                                                                                     ["tiny-test"])
         agents = _pids_with(str(data / "agent.yaml"))

@@ -111,6 +111,11 @@ def test_users_and_keys_in_the_tree(db):
     assert "no keys in Acme/platform/gateway" not in run(db, "keys", "list", "--project", "gateway").output
     out = ok(db, "users", "list").stdout
     assert "ann@example.com" in out and "Acme/platform" in out and "on their own" in out  # bob
+    import json
+    keys = json.loads(ok(db, "keys", "list", "--json").stdout)
+    assert {k["project"] for k in keys} >= {"Acme/platform/gateway"} and all(secret not in str(k) for k in keys)
+    people = {p["email"]: p for p in json.loads(ok(db, "users", "list", "--json").stdout)}
+    assert people["ann@example.com"]["member_of"] and people["bob@example.com"]["member_of"] == []
     # Leaving revokes the keys made in projects no longer reached.
     r = ok(db, "users", "leave", "ann@example.com", "--team", "Acme/platform")
     assert "revoked key" in r.stderr and "laptop" in r.stderr

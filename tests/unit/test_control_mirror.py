@@ -9,7 +9,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from llmgw.testing.admin import admin_headers
 from llmgw.config.server import MirrorConfig, ServerConfig
+from llmgw.files import write_secret_file
 from llmgw.server.app import Server
 from llmgw.server.control.mirror_client import MirrorClient, MirrorRefused, MirrorUnavailable, entry_from_version
 
@@ -51,12 +53,24 @@ def test_entry_refusals_say_why():
 
 
 class FakeMirror:
-    """The mirror's management API as docs/mirror.md gives it."""
+    """The mirror's management API as docs/mirror.md gives it, with its token."""
 
-    def __init__(self) -> None:
+    TOKEN = "llmgw-mirror-fake"
+
+    def __init__(self, token_file) -> None:
         self.versions: dict[tuple[str, str], dict] = {}
         self.fetches: list[dict] = []
-        app = web.Application()
+        self.token_file = token_file
+        write_secret_file(token_file, self.TOKEN)
+
+        @web.middleware
+        async def need_token(request, handler):
+            if request.headers.get("Authorization") != f"Bearer {self.TOKEN}":
+                return web.json_response({"error": {"message": "the mirror's management API needs a credential"}},
+                                         status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[need_token])
         app.router.add_get("/v1/models", self.list)
         app.router.add_post("/v1/models", self.fetch)
         app.router.add_get("/v1/models/{m}/{v}", self.status)
@@ -87,15 +101,16 @@ class FakeMirror:
 
 
 @pytest.fixture
-async def mirror():
-    fake = FakeMirror()
+async def mirror(tmp_path):
+    fake = FakeMirror(tmp_path / "mirror-token")
     await fake.server.start_server()
     yield fake
     await fake.server.close()
 
 
-async def test_client_passes_the_mirrors_own_words(mirror):
-    client = MirrorClient(MirrorConfig(api=str(mirror.server.make_url("/"))))
+async def test_client_sends_the_token_from_its_file_and_passes_the_mirrors_own_words(mirror, tmp_path):
+    api = str(mirror.server.make_url("/"))
+    client = MirrorClient(MirrorConfig(api=api, token_file=str(mirror.token_file)))
     got = await client.fetch("https://x/q.gguf", "qwen", "v1")
     assert got["state"] == "fetching" and got["url"].endswith("/qwen/v1/q.gguf")
     with pytest.raises(MirrorRefused, match="answered HTML") as err:
@@ -103,9 +118,26 @@ async def test_client_passes_the_mirrors_own_words(mirror):
     assert err.value.status == 400
     with pytest.raises(MirrorRefused, match="no such version"):
         await client.status("nope", "v")
-    dead = MirrorClient(MirrorConfig(api="http://127.0.0.1:9"))
+    dead = MirrorClient(MirrorConfig(api="http://127.0.0.1:9", token_file=str(mirror.token_file)))
     with pytest.raises(MirrorUnavailable, match=r"cannot be reached: .*; check mirror.api in server.yaml"):
         await dead.list()
+    wrong = tmp_path / "wrong-token"
+    write_secret_file(wrong, "llmgw-mirror-other")
+    with pytest.raises(MirrorRefused, match="needs a credential") as err:
+        await MirrorClient(MirrorConfig(api=api, token_file=str(wrong))).list()
+    assert err.value.status == 401
+
+
+def test_a_mirror_block_without_a_credential_or_with_an_unreadable_token_is_refused_in_words(tmp_path):
+    with pytest.raises(ValueError, match="needs a credential: set token_file"):
+        MirrorConfig(api="http://models.internal:8082")
+    with pytest.raises(MirrorUnavailable, match=r"mirror.token_file: .*no such file"):
+        MirrorClient(MirrorConfig(api="http://models.internal:8082", token_file=str(tmp_path / "none")))
+    exposed = tmp_path / "exposed"
+    exposed.write_text("llmgw-mirror-x\n")
+    exposed.chmod(0o644)
+    with pytest.raises(MirrorUnavailable, match="others can read it"):
+        MirrorClient(MirrorConfig(api="http://models.internal:8082", token_file=str(exposed)))
 
 
 def _port() -> int:
@@ -120,7 +152,7 @@ async def server(mirror, tmp_path):
         "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
         "agent_listen": f"127.0.0.1:{_port()}", "agent_tls": None, "control": {"enabled": True},
         "engines": {"llamacpp": None}, "auth": {"store": str(tmp_path / "db.sqlite")},
-        "mirror": {"api": str(mirror.server.make_url("/"))},
+        "mirror": {"api": str(mirror.server.make_url("/")), "token_file": str(mirror.token_file)},
         "models": [{"name": "uses-it", "source": f"{BASE}/old/v1/", "scaling": {"min": 0},
                     "profiles": [{"engine": "llamacpp"}]}],
     })
@@ -132,7 +164,7 @@ async def server(mirror, tmp_path):
 
 async def test_admin_routes_fetch_serve_and_guard_removal(server, mirror):
     s, admin = server
-    async with httpx.AsyncClient(base_url=admin) as http:
+    async with httpx.AsyncClient(base_url=admin, headers=admin_headers(s)) as http:
         r = await http.post("/api/v1/mirror/fetch", json={"source": "https://x/q.gguf", "model": "qwen", "version": "v1"})
         assert r.status_code == 202 and r.json()["state"] == "fetching"
         r = await http.post("/api/v1/mirror/fetch", json={"source": "https://x/q.gguf"})
@@ -167,7 +199,7 @@ async def test_no_mirror_configured_is_said(tmp_path):
     s = Server(cfg)
     await s.start()
     try:
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(headers=admin_headers(s)) as http:
             r = await http.get(f"http://127.0.0.1:{cfg.admin_listen.port}/api/v1/mirror")
         assert r.status_code == 404 and "set mirror.api in server.yaml" in r.json()["error"]["message"]
     finally:
@@ -211,7 +243,7 @@ async def test_model_add_refuses_a_gguf_the_pinned_llamacpp_cannot_load(server, 
         def model(name, path):
             return {"model": {"name": name, "source": str(files_srv.make_url(path)), "scaling": {"min": 0},
                               "profiles": [{"engine": "llamacpp"}]}}
-        async with httpx.AsyncClient(base_url=admin) as http:
+        async with httpx.AsyncClient(base_url=admin, headers=admin_headers(s)) as http:
             r = await http.post("/api/v1/models", json=model("foo", "/foo.gguf"))
             assert r.status_code == 400
             msg = r.json()["error"]["message"]

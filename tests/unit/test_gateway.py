@@ -9,6 +9,7 @@ import httpx
 import orjson
 import pytest
 
+from llmgw.testing.admin import admin_headers
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
 from llmgw.testing.fake_engine import FakeEngine
@@ -28,6 +29,7 @@ class Env:
         self.url = f"http://127.0.0.1:{server.config.listen.port}"
         self.admin = f"http://127.0.0.1:{server.config.admin_listen.port}"
         self.http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        self.admin_auth = admin_headers(server)
 
     async def chat(self, model: str = "m", **body) -> httpx.Response:
         return await self.http.post("/v1/chat/completions",
@@ -93,7 +95,7 @@ async def test_retry_on_another_endpoint_before_first_byte(env):
         assert r.status_code == 200, r.text
     # Two failures opened a's breaker; after that it was not tried at all.
     assert sum(1 for r in a.requests if r.path.startswith("/v1/")) == 2
-    status = {s["url"]: s for s in (await env.http.get(env.admin + "/api/v1/endpoints")).json()["endpoints"]}
+    status = {s["url"]: s for s in (await env.http.get(env.admin + "/api/v1/endpoints", headers=env.admin_auth)).json()["endpoints"]}
     assert status[a.url]["breaker_open"] and not status[a.url]["available"]
 
 
@@ -206,7 +208,7 @@ async def test_refusals_carry_server_timing(env):
 
 async def test_metrics_render(env):
     await env.chat()
-    text = (await env.http.get(env.admin + "/metrics")).text
+    text = (await env.http.get(env.admin + "/metrics", headers=env.admin_auth)).text
     assert 'llmgw_requests_total{model="m",route="chat",status="200"} 1.0' in text
     assert "llmgw_gateway_overhead_seconds_bucket" in text
     assert "llmgw_endpoint_waiting" in text and "llmgw_usage_pending" in text

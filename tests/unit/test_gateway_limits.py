@@ -1,8 +1,9 @@
 """Limits, budgets and admission through the real gateway, in front of fake engines.
 
 Exactness under load: 500 concurrent requests at a key limited to 100 a minute
-admit exactly 100; a budget is not overspent by more than the requests in flight
-when it was reached; settled spend equals the sum of the usage rows.
+admit exactly 100; a burst on a small budget overspends it by at most one
+request's estimate; settled spend equals the sum of the usage rows; streams cut
+by the client or the engine are charged what passed through.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import asyncio
 import socket
 
 import httpx
+import orjson
 import pytest
 
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
-from llmgw.testing.fake_engine import FakeEngine
+from llmgw.server.gateway.proxy import _estimate
+from llmgw.testing.admin import admin_headers
+from llmgw.testing.fake_engine import FakeEngine, chat_prompt_tokens
 
 
 def _port() -> int:
@@ -96,34 +100,6 @@ async def test_500_concurrent_requests_at_100_a_minute_admit_exactly_100(fleet):
     assert streamed.headers["x-ratelimit-remaining-requests"] == "899"
 
 
-async def test_a_budget_is_not_overspent_beyond_what_was_in_flight(fleet):
-    server, engines, issued = fleet
-    # One request costs about (prompt + 5 completion tokens) at 1 and 2 per 1k: a few
-    # thousandths of a unit; a budget of 0.05 lasts a handful of requests.
-    await server.store.set_limits("project", "Acme/platform/gateway", budget_micros=50_000, period="day")
-    await server.keys.load()
-    acct = server.gateway.accountant
-    pool = f"project:{issued.key.project_id}"
-    async with _client(server, issued.secret) as http:
-        served = 0
-        while True:
-            # Waves of 20 at once: each wave is in flight together when the budget is reached.
-            replies = await asyncio.gather(*(http.post("/v1/chat/completions", json=_chat()) for _ in range(20)))
-            codes = [r.status_code for r in replies]
-            served += codes.count(200)
-            if 429 in codes:
-                break
-        refused = next(r for r in replies if r.status_code == 429)
-        assert "budget of project" in refused.json()["error"]["message"]
-        spent = acct.spent(pool, "day")
-        rows = [r for r in await _rows(server) if r.status == 200]
-        per_request = max(r.cost_micros for r in rows)
-        # Overspend bounded by one wave in flight.
-        assert 50_000 <= spent <= 50_000 + 20 * per_request
-        # A model priced at nothing is still served with the budget spent.
-        assert (await http.post("/v1/chat/completions", json=_chat("free"))).status_code == 200
-
-
 async def _rows(server: Server):
     await server.usage.flush()
     return await server.store.list_usage(limit=10_000)
@@ -184,7 +160,7 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
             r = await http.post("/v1/chat/completions", json=_chat())
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
         assert int(r.headers["retry-after"]) >= 1
-        async with httpx.AsyncClient() as plain:
+        async with httpx.AsyncClient(headers=admin_headers(server)) as plain:
             metrics = (await plain.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics")).text
         assert 'llmgw_admission_rejected_total{band="normal"} 1.0' in metrics
         # A client may yield to a lower band, never climb above its key's.
@@ -192,7 +168,7 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
             for band in ("high", "low"):
                 r = await http.post("/v1/chat/completions", json=_chat(), headers={"X-Llmgw-Band": band})
                 assert r.status_code == 503
-        async with httpx.AsyncClient() as plain:
+        async with httpx.AsyncClient(headers=admin_headers(server)) as plain:
             metrics = (await plain.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics")).text
         assert 'llmgw_admission_rejected_total{band="normal"} 2.0' in metrics
         assert 'llmgw_admission_rejected_total{band="low"} 1.0' in metrics
@@ -226,3 +202,103 @@ async def test_a_claim_link_shows_its_key_once(fleet):
         again = await http.post(f"/claim/{issued.claim_token}")
         assert again.status_code == 410 and "it works once" in again.text and secret not in again.text
         assert (await http.post("/claim/not-a-token")).status_code == 404
+
+
+async def test_a_burst_on_a_small_budget_overspends_at_most_one_estimate(fleet):
+    server, engines, issued = fleet
+    budget = 100_000  # 0.10: about five requests of ~0.02 each
+    await server.store.set_limits("project", "Acme/platform/gateway", budget_micros=budget, period="day")
+    await server.keys.load()
+    acct = server.gateway.accountant
+    pool = f"project:{issued.key.project_id}"
+    raw = orjson.dumps(_chat())
+    # What the gateway holds for each request: its prompt guess and max_tokens, priced.
+    estimate = acct.pricing.cost_micros("m", *_estimate(raw, 5, server.gateway.models["m"]))
+    headers = {"Content-Type": "application/json"}
+    codes: list[str] = []
+    async with _client(server, issued.secret) as http:
+        for _ in range(10):
+            # Everything at once: without a hold on the budget, all 300 would be served.
+            replies = await asyncio.gather(*(http.post("/v1/chat/completions", content=raw, headers=headers)
+                                             for _ in range(300)))
+            codes += [r.status_code == 200 and "ok" or r.json()["error"]["code"] for r in replies]
+            if "budget_spent" in codes:
+                break
+        held = next(r for r in replies if r.status_code == 429)
+        # A model priced at nothing is still served with the budget spent.
+        assert (await http.post("/v1/chat/completions", json=_chat("free"))).status_code == 200
+    assert "budget_spent" in codes and "budget_held" in codes
+    spent = acct.spent(pool, "day")
+    rows = [r for r in await _rows(server) if r.status == 200 and r.model == "m"]
+    assert len(rows) == codes.count("ok") and spent == sum(r.cost_micros for r in rows)
+    # The last request admitted under the budget may cross it, by no more than what it was held at.
+    assert budget <= spent <= budget + estimate
+    assert acct.held(pool) == 0  # every hold released
+    assert sum(e.requests_total for e in engines) == len(rows) + 1
+    msg = held.json()["error"]["message"]
+    assert "budget of project" in msg and ("spent for this day" in msg or "requests in progress" in msg)
+
+
+async def test_50_streams_cut_at_99_percent_are_charged_what_the_engine_generated(fleet):
+    server, engines, issued = fleet
+    for e in engines:
+        e.tokens, e.token_ms = 100, 1.0  # 100 events a stream, one a token, paced as an engine would
+        # Token 100 is still being made when the client cuts at 99 (unstalled, a loaded machine's
+        # client lags so far behind that the engine has finished and counted before it cuts).
+        e.fail_next(50, mode="stall", after_tokens=99)
+    await server.store.set_limits("key", issued.key.id, tpm=10**8)
+    await server.store.set_limits("project", "Acme/platform/gateway", budget_micros=10**12)
+    await server.keys.load()
+    acct = server.gateway.accountant
+    principal = server.keys.authenticate(f"Bearer {issued.secret}")
+    messages = [{"role": "user", "content": "a long enough prompt " * 100}]
+    body = {"model": "m", "messages": messages, "max_tokens": 100, "stream": True}
+
+    async def cut(http: httpx.AsyncClient) -> int:
+        got = 0
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    got += 1
+                    if got == 99:
+                        break  # leaving the block closes the connection: the client is gone
+        return got
+
+    async with _client(server, issued.secret) as http:
+        received = await asyncio.gather(*(cut(http) for _ in range(50)))
+        assert received == [99] * 50
+        # And engines that die mid-stream: charged the 30 tokens that passed.
+        for e in engines:
+            e.clear_faults()
+            e.fail_next(4, mode="midstream", after_tokens=30)
+        for _ in range(4):
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                with pytest.raises(httpx.HTTPError):
+                    async for _ in r.aiter_raw():
+                        pass
+
+    rows = await _rows(server)
+    for _ in range(200):  # a cut stream is recorded as soon as the gateway sees its client gone
+        if len(rows) >= 54:
+            break
+        await asyncio.sleep(0.05)
+        rows = await _rows(server)
+    cut_rows = [r for r in rows if r.status == 499]
+    died = [r for r in rows if r.status == 502]
+    assert len(cut_rows) == 50 and len(died) == 4
+    assert [r.completion_tokens for r in died] == [30] * 4
+    generated = sum(e.tokens_generated for e in engines) - 4 * 30
+    charged = sum(r.completion_tokens for r in cut_rows)
+    assert all(r.completion_tokens >= 99 for r in cut_rows)
+    assert abs(charged - generated) <= 0.1 * generated, (charged, generated)
+    # The token pool was charged the same, prompts as estimated (the engine's own count is near).
+    prompt_truth = chat_prompt_tokens(messages)
+    assert all(abs(r.prompt_tokens - prompt_truth) <= 0.1 * prompt_truth for r in rows)
+    tpm_charged = 10**8 - acct.status(principal).tokens_remaining
+    truth = generated + 30 * 4 + prompt_truth * 54
+    assert abs(tpm_charged - truth) <= 0.1 * truth, (tpm_charged, truth)
+    spent = acct.spent(f"project:{issued.key.project_id}")
+    assert spent == sum(r.cost_micros for r in rows)
+    true_cost = acct.pricing.cost_micros("m", prompt_truth * 54, generated + 30 * 4)
+    assert abs(spent - true_cost) <= 0.1 * true_cost

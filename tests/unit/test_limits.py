@@ -142,7 +142,9 @@ def test_budget_refusal_charges_nothing():
         acc.check(p, "big", 100)
     assert e.value.code == "budget_spent"
     assert acc.headers(p) == {"x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "5",
-                              "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "1000"}
+                              "x-ratelimit-reset-requests": "0s",
+                              "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "1000",
+                              "x-ratelimit-reset-tokens": "0s"}
 
 
 def test_zero_priced_model_is_exempt_from_budgets():
@@ -227,6 +229,64 @@ def test_budget_overspend_bounded_by_requests_in_flight():
         settled += acc2.settle(r, 1000, 0)
     assert acc2.spent("team:t1") == settled
     assert settled <= budget + len(in_flight) * 1_000_000
+
+
+def test_budget_holds_the_estimated_cost_of_requests_in_progress():
+    acc, _, _ = accountant()  # big: 1.0 prompt, 2.0 completion per 1k tokens
+    p = principal(Pool("key:k1", rpm=100), Pool("project:p1", budget_micros=to_micros(1.0), period="day"))
+    r1 = acc.check(p, "big", 100, 200)  # holds 0.10 + 0.40
+    assert (r1.held_micros, acc.held("project:p1"), acc.held("key:k1")) == (500_000, 500_000, 0)
+    r2 = acc.check(p, "big", 100, 200)  # 0.50 held, under the budget: admitted, and may cross it
+    assert acc.held("project:p1") == 1_000_000
+    with pytest.raises(LimitError) as e:
+        acc.check(p, "big", 1)
+    err = e.value
+    assert err.status == 429 and err.code == "budget_held" and err.retry_after == 1.0
+    assert err.message == ("the budget of project p1 for this day is taken up by requests in progress "
+                           "(0.00 spent and up to 1.00 held of 1.00); retry in 1 s, when some have finished")
+    assert err.headers["retry-after"] == "1" and err.headers["x-ratelimit-remaining-requests"] == "98"
+    assert acc.held("project:p1") == 1_000_000  # the refusal held nothing
+    assert acc.settle(r1, 50, 50) == 150_000  # the hold gives way to the real cost
+    assert (acc.spent("project:p1", "day"), acc.held("project:p1")) == (150_000, 500_000)
+    r3 = acc.check(p, "big", 10)
+    acc.cancel(r2)  # never reached an engine: its hold is released, nothing spent
+    assert acc.held("project:p1") == 10_000 and acc.spent("project:p1", "day") == 150_000
+    acc.settle(r3, 10, 0)
+    assert acc.held("project:p1") == 0 and acc.counts()["spend"] == 2
+    acc.settle(r3, 10, 0)  # twice: nothing more
+    assert acc.held("project:p1") == 0 and acc.spent("project:p1", "day") == 160_000
+
+
+def test_a_burst_overspends_a_budget_by_at_most_one_estimate():
+    acc, _, _ = accountant()
+    budget = to_micros(1.0)
+    p = principal(Pool("team:t1", budget_micros=budget), Pool("key:k1", budget_micros=to_micros(100)))
+    admitted = []
+    for _ in range(500):  # all at once: nothing settles in between
+        try:
+            admitted.append(acc.check(p, "big", 30, 100))  # 0.03 + 0.2 held each
+        except LimitError as e:
+            assert e.code == "budget_held"
+    assert len(admitted) == 5  # 0, 0.23, 0.46, 0.69, 0.92 held before each: under 1.0
+    for r in admitted:
+        acc.settle(r, 30, 100)  # each used all it could
+    assert budget < acc.spent("team:t1") == 5 * 230_000 <= budget + 230_000
+    assert acc.held("team:t1") == acc.held("key:k1") == 0
+    with pytest.raises(LimitError) as e:
+        acc.check(p, "big", 1)
+    assert e.value.code == "budget_spent"
+
+
+def test_a_rate_refusal_or_a_free_model_holds_nothing():
+    acc, _, _ = accountant(Pricing({"big": (1.0, 1.0), "free": (0.0, 0.0)}))
+    p = principal(Pool("key:k1", rpm=1, budget_micros=to_micros(10)))
+    acc.check(p, "big", 100)
+    with pytest.raises(LimitError) as e:
+        acc.check(p, "big", 100)
+    assert e.value.code == "rate_limited" and acc.held("key:k1") == 100_000
+    q = principal(Pool("key:k2", budget_micros=to_micros(10)), key="k2")
+    r = acc.check(q, "free", 10**6)
+    assert r.held_micros == 0 and acc.held("key:k2") == 0
 
 
 def test_concurrent_settle_sums_equal_recorded_costs():
@@ -360,7 +420,9 @@ def test_later_tpm_refusal_refunds_requests_and_earlier_tokens():
     assert err.retry_after == pytest.approx(60.0)  # when the 900 leave the window
     key_only = principal(Pool("key:k1", rpm=10, tpm=10_000), key="kx")
     assert acc.headers(key_only) == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "9",
-                                     "x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "9100"}
+                                     "x-ratelimit-reset-requests": "1m0s",
+                                     "x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "9100",
+                                     "x-ratelimit-reset-tokens": "1m0s"}
     assert err.headers["x-ratelimit-remaining-tokens"] == "100"
     assert err.headers["x-ratelimit-limit-tokens"] == "1000"
 
@@ -441,7 +503,8 @@ def test_headers_describe_the_fullest_pool_and_omit_unlimited_kinds():
     p = principal(Pool("key:k1", rpm=100), Pool("project:p1", rpm=10), Pool("org:o1", rpm=1000))
     for _ in range(5):
         acc.check(p, "m", 1)
-    assert acc.headers(p) == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "5"}
+    assert acc.headers(p) == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "5",
+                              "x-ratelimit-reset-requests": "1m0s"}
     assert acc.headers(principal()) == {}
     st = acc.status(p)
     assert st.requests_pool == "project:p1" and st.tokens_limit is None
@@ -498,6 +561,25 @@ def test_idle_windows_are_dropped():
     clock.t += 61
     acc.check(principal(Pool("key:x", rpm=10), key="x"), "m", 1)
     assert acc.counts()["rpm"] <= 1 and acc.counts()["tpm"] == 0
+
+
+def test_reset_headers_say_when_the_fullest_pool_is_full_again():
+    acc, clock, _ = accountant(t=1000.25)
+    p = principal(Pool("key:k1", rpm=10, tpm=1000), Pool("project:p1", rpm=100))
+    acc.check(p, "m", 100)
+    h = acc.headers(p)
+    # Charged in second 1000: it leaves the window at 1060, 59.75 s from now.
+    assert (h["x-ratelimit-reset-requests"], h["x-ratelimit-reset-tokens"]) == ("59.75s", "59.75s")
+    clock.t = 1030.0
+    acc.check(p, "m", 0)  # a request counts, no tokens
+    h = acc.headers(p)
+    assert (h["x-ratelimit-reset-requests"], h["x-ratelimit-reset-tokens"]) == ("1m0s", "30s")
+    clock.t = 1059.999
+    assert acc.headers(p)["x-ratelimit-reset-tokens"] == "1ms"
+    clock.t = 1060.0
+    h = acc.headers(p)
+    assert (h["x-ratelimit-remaining-tokens"], h["x-ratelimit-reset-tokens"]) == ("1000", "0s")
+    assert acc.status(p).requests_reset == pytest.approx(30.0)
 
 
 def test_status_and_headers_agree():

@@ -29,7 +29,7 @@ def fake(tmp_path, monkeypatch):
     root = tmp_path / "models"
     root.mkdir()
     mgr = FakeManager(root)
-    monkeypatch.setattr(mirror_cli, "_manager", lambda r: mgr)
+    monkeypatch.setattr(mirror_cli, "_manager", lambda r, **kw: mgr)
     return root, mgr
 
 
@@ -43,7 +43,10 @@ def catalog():
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            server.auth.append(self.headers.get("Authorization"))
             st = server.status
+            if server.token and self.headers.get("Authorization") != f"Bearer {server.token}":
+                st = 401
             body = json.dumps({"models": [{"name": f"m{i}", "source": s} for i, s in enumerate(server.sources)]}).encode()
             self.send_response(st)
             self.send_header("Content-Type", "application/json")
@@ -55,7 +58,7 @@ def catalog():
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.sources, server.status = [], 200
+    server.sources, server.status, server.token, server.auth = [], 200, None, []
     server.addr = f"127.0.0.1:{server.server_address[1]}"
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
@@ -150,7 +153,12 @@ def test_add_with_the_real_fetcher_from_a_local_server(tmp_path):
     root.mkdir()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}/tok.bin"
-        r = run("--dir", str(root), "add", url, "--model", "tok", "--version", "v1", "--base", "http://m:8081")
+        # A server on loopback: refused unless the operator says it is theirs.
+        r = run("--dir", str(root), "add", url, "--model", "tok", "--version", "v1")
+        assert r.exit_code == 1 and "is a loopback address" in r.output and "--allow-local-sources" in r.output
+        assert not (root / "tok").exists()
+        r = run("--dir", str(root), "add", url, "--model", "tok", "--version", "v1", "--base", "http://m:8081",
+                "--allow-local-sources")
         assert r.exit_code == 0, r.output
         assert f"  sha256 {hashlib.sha256(payload).hexdigest()}" in r.output
         assert "  source: http://m:8081/tok/v1/tok.bin" in r.output
@@ -186,6 +194,25 @@ def test_unused_compares_by_path(fake, catalog):
     catalog.sources.append("http://localhost:8081/old/v0/")
     r = run("--dir", str(root), "unused", "--server", catalog.addr)
     assert r.output.strip() == "Every file here is referred to by a model. (4 files, 4 catalog sources.)"
+
+
+def test_unused_reads_the_catalog_with_an_admin_token_and_says_how_to_give_one(fake, catalog, tmp_path, monkeypatch):
+    from llmgw.files import write_secret_file
+
+    root, mgr = fake
+    mgr.put("qwen", "v1", "q.gguf", b"1")
+    catalog.token = "llmgw-admin-t"
+    monkeypatch.delenv("LLMGW_ADMIN_TOKEN", raising=False)
+    monkeypatch.setattr("llmgw.cli.admin_client._candidate_files", lambda: [])
+    r = run("--dir", str(root), "unused", "--server", catalog.addr)
+    assert r.exit_code == 1 and "needs an admin token; pass --token-file or set LLMGW_ADMIN_TOKEN" in r.output
+    write_secret_file(tmp_path / "admin-token", catalog.token)
+    r = run("--dir", str(root), "unused", "--server", catalog.addr, "--token-file", str(tmp_path / "admin-token"))
+    assert r.exit_code == 0 and "1 B in 1 files that no model refers to." in r.output, r.output
+    monkeypatch.setenv("LLMGW_ADMIN_TOKEN", catalog.token)
+    r = run("--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf",
+            "--server", catalog.addr)
+    assert r.exit_code == 0 and catalog.auth[-1] == f"Bearer {catalog.token}"
 
 
 def test_unused_refuses_on_an_error_status(fake, catalog):
@@ -270,22 +297,31 @@ def test_init_writes_the_unit_and_is_idempotent(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "created the system user llmgw" in r.output and f"created {d}, owned by llmgw" in r.output
     assert f"wrote {unit}" in r.output and "enabled and started llmgw-mirror.service" in r.output
-    assert "sudo llmgw server init --mirror http://models.internal:8082" in r.output
+    token_file = tmp_path / "srv" / "models.api-token"
+    assert f"made the management API token {token_file} (mode 0600, owned by llmgw)" in r.output
+    assert (token_file.stat().st_mode & 0o777) == 0o600 and token_file.read_text().startswith("llmgw-mirror-")
+    assert ["chown", "llmgw:llmgw", str(token_file)] in system.calls
+    # What to put on the control plane, ready to paste.
+    assert f"needs the token in {token_file}" in r.output
+    assert "  mirror:\n    api: http://models.internal:8082\n    token_file: /etc/llmgw/mirror-token" in r.output
     text = unit.read_text()
     for line in ("User=llmgw", "Group=llmgw", "NoNewPrivileges=true", "ProtectSystem=strict", "ProtectHome=true",
                  "PrivateTmp=true", f"ReadWritePaths={d}", "WantedBy=multi-user.target"):
         assert line in text.splitlines(), line
     exec_start = text.split("ExecStart=", 1)[1].split("\nUser=", 1)[0].replace("\\\n", " ").split()
     assert exec_start == ["/usr/local/bin/llmgw", "mirror", "serve", "--dir", str(d), "--listen", ":8081",
-                          "--api-listen", ":8082", "--base", "http://models.internal:8081", "--api-allow", "10.0.0.5"]
+                          "--api-listen", ":8082", "--base", "http://models.internal:8081",
+                          "--api-token-file", str(token_file), "--api-allow", "10.0.0.5"]
     assert d.is_dir()
     assert ["chown", "llmgw:llmgw", str(d)] in system.calls
     assert ["systemctl", "daemon-reload"] in system.calls
     assert system.calls[0] == ["id", "-u", "llmgw"] and system.calls[1][0] == "useradd" and "--system" in system.calls[1]
 
     system.calls.clear()
+    token = token_file.read_text()
     r = run(*args)
     assert r.exit_code == 0 and r.output.startswith("Nothing changed:")
+    assert token_file.read_text() == token and f"needs the token in {token_file}" in r.output
     assert not any(c[0] in ("useradd", "chown") or c[1:2] in (["daemon-reload"], ["enable"]) for c in system.calls)
 
     r = run(*[a if a != "10.0.0.5:7443" else "10.0.0.6" for a in args])
@@ -315,6 +351,15 @@ def test_serve_refuses_what_is_not_a_directory(tmp_path):
     assert r.exit_code == 1 and '--api-allow "ten" is not an address or a network' in r.output
     r = run("--dir", str(tmp_path), "serve", "--tls-ca", "ca.pem")
     assert r.exit_code == 1 and "go together" in r.output
+    r = run("--dir", str(tmp_path), "serve", "--tls-client", "control-plane")
+    assert r.exit_code == 1 and "only a TLS listener sees" in r.output
+    r = run("--dir", str(tmp_path), "serve", "--api-token-file", str(tmp_path / "token"))
+    assert r.exit_code == 1 and "inside the mirror's directory" in r.output and not (tmp_path / "token").exists()
+    exposed = tmp_path.parent / f"{tmp_path.name}-exposed-token"
+    exposed.write_text("t\n")
+    exposed.chmod(0o644)
+    r = run("--dir", str(tmp_path), "serve", "--api-token-file", str(exposed))
+    assert r.exit_code == 1 and "others can read it" in r.output
 
 
 def _start_serve(*args):
@@ -332,23 +377,34 @@ def _lines(proc, n, timeout=20.0):
     return out
 
 
-def test_serve_startup_lines_and_serving(tmp_path):
+def test_serve_makes_its_token_says_who_may_call_and_serves_only_with_the_token(tmp_path):
+    import urllib.error
     import urllib.request
 
     root = tmp_path / "models"
     (root / "qwen" / "v1").mkdir(parents=True)
     (root / "qwen" / "v1" / "q.gguf").write_bytes(b"abc")
+    token_file = tmp_path / "models.api-token"
     p1, p2 = free_port(), free_port()
     proc = _start_serve("--dir", str(root), "serve", "--listen", f"127.0.0.1:{p1}", "--api-listen", f"127.0.0.1:{p2}",
                         "--base", "http://mirror:8081", "--api-allow", "10.0.0.5,10.1.0.0/16")
     try:
-        lines = _lines(proc, 3)
-        assert lines == [f"serving {root} on 127.0.0.1:{p1}",
-                         f"management API on 127.0.0.1:{p2}, for 10.0.0.5, 10.1.0.0/16 and this machine only",
+        lines = _lines(proc, 4)
+        assert lines == [f"made the management API token {token_file} (mode 0600); the control plane needs a copy, "
+                         "named by mirror.token_file in server.yaml",
+                         f"serving {root} on 127.0.0.1:{p1}",
+                         f"management API on 127.0.0.1:{p2}, for 10.0.0.5, 10.1.0.0/16 and this machine only; "
+                         f"credential: the token in {token_file}",
                          "catalog sources should point at http://mirror:8081"], lines
+        assert (token_file.stat().st_mode & 0o777) == 0o600
         with urllib.request.urlopen(f"http://127.0.0.1:{p1}/qwen/v1/q.gguf") as r:
             assert r.read() == b"abc"
-        with urllib.request.urlopen(f"http://127.0.0.1:{p2}/v1/models") as r:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{p2}/v1/models")
+        assert refused.value.code == 401 and str(token_file) in refused.value.read().decode()
+        ask = urllib.request.Request(f"http://127.0.0.1:{p2}/v1/models",
+                                     headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
+        with urllib.request.urlopen(ask) as r:
             assert json.loads(r.read())["models"][0]["model"] == "qwen"
     finally:
         proc.terminate()
@@ -356,17 +412,23 @@ def test_serve_startup_lines_and_serving(tmp_path):
     assert proc.returncode == 0
 
 
-def test_serve_open_api_is_announced_and_a_busy_port_ends_it(tmp_path):
+def test_serve_from_any_address_says_so_and_a_busy_port_ends_it(tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    token_file = tmp_path / "elsewhere" / "token"
     p1, p2 = free_port(), free_port()
-    proc = _start_serve("--dir", str(tmp_path), "serve", "--listen", f"127.0.0.1:{p1}", "--api-listen", f"127.0.0.1:{p2}")
+    proc = _start_serve("--dir", str(root), "serve", "--listen", f"127.0.0.1:{p1}", "--api-listen", f"127.0.0.1:{p2}",
+                        "--api-token-file", str(token_file))
     try:
-        lines = _lines(proc, 3)
-        assert lines[1] == f"management API on 127.0.0.1:{p2}, UNAUTHENTICATED — keep it on a trusted network"
-        assert lines[2] == "catalog sources should point at http://localhost:8081"
-        second = _start_serve("--dir", str(tmp_path), "serve", "--listen", f"127.0.0.1:{free_port()}",
-                              "--api-listen", f"127.0.0.1:{p2}")
+        lines = _lines(proc, 4)
+        assert lines[0].startswith(f"made the management API token {token_file} ")
+        assert lines[2] == f"management API on 127.0.0.1:{p2}, from any address; credential: the token in {token_file}"
+        assert lines[3] == "catalog sources should point at http://localhost:8081"
+        second = _start_serve("--dir", str(root), "serve", "--listen", f"127.0.0.1:{free_port()}",
+                              "--api-listen", f"127.0.0.1:{p2}", "--api-token-file", str(token_file))
         out, _ = second.communicate(timeout=20)
         assert second.returncode == 1
+        assert "made the management API token" not in out  # the file was there: it is read, not replaced
         assert f"error: serving the API: 127.0.0.1:{p2} is already in use by another process" in out
     finally:
         proc.terminate()

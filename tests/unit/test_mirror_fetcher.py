@@ -1,4 +1,6 @@
-"""The mirror's Manager against a plain file server stand-in (Range, cut-short answers)."""
+"""The mirror's Manager against a plain file server stand-in (Range, cut-short answers).
+
+The stand-in is on loopback, so these Managers are made with allow_local_sources."""
 
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ async def up():
 
 @pytest.fixture
 async def mgr(tmp_path):
-    m = Manager(tmp_path / "root", architectures=KNOWN, hf_token="")
+    m = Manager(tmp_path / "root", architectures=KNOWN, hf_token="", allow_local_sources=True)
     yield m
     await m.close()
 
@@ -198,7 +200,7 @@ async def test_restart_rebuilds_state_from_disk(up, mgr, tmp_path):
     await mgr.close()  # cancels the download; its partial stays
     (root / "half" / "v1" / ".model.gguf.part").write_bytes(MODEL[:5000])
 
-    again = Manager(root, architectures=KNOWN)
+    again = Manager(root, architectures=KNOWN, allow_local_sources=True)
     try:
         by = {s.model: s for s in again.list()}
         assert by["good"].state == "present" and by["good"].files[0].sha256 == hashlib.sha256(MODEL).hexdigest()
@@ -247,7 +249,7 @@ async def test_hand_copied_files_are_listed_and_removed(tmp_path, mgr):
 async def test_gguf_check_before_fetching_and_anyway(up, tmp_path):
     up.files["odd.gguf"] = gguf_bytes(3, [("general.architecture", "ggmlc")], tail=1000)
     up.files["mmproj-f16.gguf"] = gguf_bytes(3, [("general.architecture", "clip")], tail=1000)
-    mgr = Manager(tmp_path / "root", architectures=KNOWN)
+    mgr = Manager(tmp_path / "root", architectures=KNOWN, allow_local_sources=True)
     try:
         with pytest.raises(MirrorError, match="cannot load architecture 'ggmlc'.*--anyway"):
             await mgr.fetch(up.url("odd.gguf"), "odd", "v1")
@@ -262,7 +264,7 @@ async def test_gguf_check_before_fetching_and_anyway(up, tmp_path):
         assert (await mgr.wait("junk", "v1")).state == "present"
     finally:
         await mgr.close()
-    unknown = Manager(tmp_path / "root2", architectures=frozenset())
+    unknown = Manager(tmp_path / "root2", architectures=frozenset(), allow_local_sources=True)
     try:
         await unknown.fetch(up.url("odd.gguf"), "odd", "v1")
         assert (await unknown.wait("odd", "v1")).state == "present"

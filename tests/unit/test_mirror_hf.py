@@ -95,7 +95,9 @@ async def hf():
 
 
 def manager(tmp_path, hf: HF, token: str | None = "") -> Manager:
-    return Manager(tmp_path / "root", hf_endpoint=hf.endpoint, hf_token=token, architectures=frozenset({"llama"}))
+    # The hub is the configured endpoint (fetched from on loopback), its CDN another loopback port.
+    return Manager(tmp_path / "root", hf_endpoint=hf.endpoint, hf_token=token, architectures=frozenset({"llama"}),
+                   allow_local_sources=True)
 
 
 async def test_one_file_pinned_to_the_commit_through_the_redirect(hf, tmp_path):

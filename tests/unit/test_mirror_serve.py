@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from llmgw.agent.provision.fetch import parse_sha256_file
-from llmgw.mirror.api import FORBIDDEN, allow_list_middleware, api_app, references
+from llmgw.mirror.api import FORBIDDEN, ApiAccess, allow_list_middleware, api_app, references
 from llmgw.mirror.serve import manager_checksums, parse_allow, request_segments, weights_app
 from llmgw.mirror.layout import MirrorError
 from llmgw.pki import init_ca, issue_client, issue_server
@@ -22,6 +22,9 @@ from llmgw.pki.tls import client_context, server_context
 from test_mirror_serve_fake import FakeManager
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
+TOKEN = "llmgw-mirror-test-token"
+ACCESS = ApiAccess(token=TOKEN, token_file="/srv/models.api-token")
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SECRET = b"OUTSIDE-SECRET-BYTES"
 
 
@@ -181,7 +184,7 @@ async def api(tmp_path):
     root = tmp_path / "models"
     root.mkdir()
     mgr = FakeManager(root)
-    async with TestClient(TestServer(api_app(mgr, root, "http://mirror:8081"))) as client:
+    async with TestClient(TestServer(api_app(mgr, root, "http://mirror:8081", ACCESS)), headers=AUTH) as client:
         yield client, mgr
 
 
@@ -259,7 +262,7 @@ async def test_health(api, tmp_path):
     client, _ = api
     assert (await client.get("/v1/health")).status == 200
     gone = tmp_path / "gone"
-    async with TestClient(TestServer(api_app(FakeManager(gone), gone, "http://m:8081"))) as c2:
+    async with TestClient(TestServer(api_app(FakeManager(gone), gone, "http://m:8081", ACCESS))) as c2:
         r = await c2.get("/v1/health")
         assert r.status == 503 and "cannot read" in (await r.json())["error"]["message"]
 
@@ -287,32 +290,49 @@ async def test_allow_list():
 
 async def test_allow_list_lets_loopback_through_for_real(tmp_path):
     mgr = FakeManager(tmp_path)
-    app = api_app(mgr, tmp_path, "http://m:8081", allow=parse_allow(["10.9.9.9"]))
-    async with TestClient(TestServer(app, host="127.0.0.1")) as c:
+    app = api_app(mgr, tmp_path, "http://m:8081", ACCESS, allow=parse_allow(["10.9.9.9"]))
+    async with TestClient(TestServer(app, host="127.0.0.1"), headers=AUTH) as c:
         assert (await c.get("/v1/models")).status == 200
 
 
-async def test_mutual_tls(tmp_path):
+async def test_on_tls_a_control_plane_certificate_or_the_token_is_a_credential_and_a_node_certificate_is_not(tmp_path):
     pki = tmp_path / "pki"
     init_ca(pki)
     issue_server(pki, pki, ["127.0.0.1"])
     issue_client(pki, pki, "control-plane")
-    ctx = server_context(pki / "ca.pem", pki / "server.pem", pki / "server-key.pem")
-    app = api_app(FakeManager(tmp_path), tmp_path, "http://m:8081")
+    issue_client(pki, pki, "node-a")
+    ctx = server_context(pki / "ca.pem", pki / "server.pem", pki / "server-key.pem", require_client=False)
+    access = ApiAccess(token=TOKEN, token_file="/t", tls_clients=("control-plane",))
+    app = api_app(FakeManager(tmp_path), tmp_path, "http://m:8081", access)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    url = f"https://127.0.0.1:{port}/v1/health"
+    url = f"https://127.0.0.1:{port}/v1/models"
+
+    def cert(name):
+        c = client_context(pki / "ca.pem", pki / f"{name}.pem", pki / f"{name}-key.pem")
+        c.set_alpn_protocols(["http/1.1"])  # a client offering ALPN still gets through
+        return c
+
     try:
-        good = client_context(pki / "ca.pem", pki / "control-plane.pem", pki / "control-plane-key.pem")
-        good.set_alpn_protocols(["http/1.1"])  # a client offering ALPN still gets through
         async with aiohttp.ClientSession() as s:
-            async with s.get(url, ssl=good) as r:
+            async with s.get(url, ssl=cert("control-plane")) as r:
                 assert r.status == 200
+            async with s.get(url, ssl=cert("node-a")) as r:
+                assert r.status == 401 and "issued to control-plane" in (await r.json())["error"]["message"]
+            async with s.get(url, ssl=client_context(pki / "ca.pem")) as r:
+                assert r.status == 401
+            async with s.get(url, ssl=client_context(pki / "ca.pem"), headers=AUTH) as r:
+                assert r.status == 200
+            other = tmp_path / "other"
+            init_ca(other)
+            issue_client(other, other, "control-plane")
             with pytest.raises((aiohttp.ClientError, ssl.SSLError, ConnectionError)):
-                async with s.get(url, ssl=client_context(pki / "ca.pem")) as r:
+                # A certificate from another authority fails the handshake itself.
+                foreign = client_context(pki / "ca.pem", other / "control-plane.pem", other / "control-plane-key.pem")
+                async with s.get(url, ssl=foreign) as r:
                     await r.read()
     finally:
         await runner.cleanup()
@@ -352,9 +372,9 @@ async def test_api_with_the_real_fetcher(tmp_path):
     src_app.router.add_get("/files/tok.bin", source)
     root = tmp_path / "models"
     root.mkdir()
-    mgr = Manager(root)
+    mgr = Manager(root, allow_local_sources=True)  # the source is on loopback
     async with TestClient(TestServer(src_app)) as src, \
-            TestClient(TestServer(api_app(mgr, root, "http://mirror:8081"))) as client, \
+            TestClient(TestServer(api_app(mgr, root, "http://mirror:8081", ACCESS)), headers=AUTH) as client, \
             TestClient(TestServer(weights_app(root, manager_checksums(mgr)))) as weights:
         url = str(src.make_url("/files/tok.bin"))
         r = await client.post("/v1/models", json={"source": url, "model": "tok", "version": "v1"})

@@ -372,7 +372,11 @@ async def test_on_demand_that_cannot_be_placed_answers_at_once(clock):
         problem = await asyncio.wait_for(rec.wait_ready("m"), 3)
     finally:
         await rec.stop()
-    assert problem == "cannot place m:\n  n1 has 8 GB of memory, needs 24"
+    assert problem == ("model 'm' cannot be started now: no node can take it; an operator can see why with "
+                       "llmgw ctl explain-placement m")
+    assert "n1" not in problem
+    # The operator's view keeps the reasons.
+    assert rec.problems["m"] == "cannot place m:\n  n1 has 8 GB of memory, needs 24"
 
 
 async def test_cordon_keeps_work_and_drain_moves_it_one_at_a_time(clock):

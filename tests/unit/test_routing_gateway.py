@@ -6,6 +6,7 @@ import socket
 
 import httpx
 
+from llmgw.testing.admin import admin_headers
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
 from llmgw.testing.fake_engine import FakeEngine
@@ -35,7 +36,8 @@ async def _run(tmp_path, routing: dict, bodies: list[dict]):
             for body in bodies:
                 r = await http.post("/v1/chat/completions", json={"model": "m", **body})
                 assert r.status_code == 200, r.text
-            metrics = (await http.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics")).text
+            metrics = (await http.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics",
+                                      headers=admin_headers(server))).text
         order = []
         for i, e in enumerate(engines):
             for q in e.requests:

@@ -13,6 +13,7 @@ import pytest
 from llmgw import up
 
 API, BASE = "http://127.0.0.1:18082", "http://127.0.0.1:18081"
+TOKEN = "llmgw-mirror-up-token"
 WHERE = f"/v1/models/{up.STARTER_NAME}/{up.STARTER_VERSION}"
 URL = f"{BASE}/{up.STARTER_NAME}/{up.STARTER_VERSION}/{up.STARTER_FILE}"
 
@@ -24,6 +25,7 @@ class Mirror:
         self.gets, self.post, self.asked = list(gets), post, []
 
     def handler(self, request: httpx.Request) -> httpx.Response:
+        assert request.headers.get("Authorization") == f"Bearer {TOKEN}", "every call carries the mirror's token"
         self.asked.append((request.method, request.url.path, json.loads(request.content) if request.content else None))
         if request.method == "POST":
             assert self.post is not None, "nothing should have been fetched"
@@ -34,7 +36,8 @@ class Mirror:
     def fetch(self, messages: list[str], progress: list) -> str | None:
         with httpx.Client(transport=httpx.MockTransport(self.handler)) as c:
             return up.fetch_into_mirror(API, BASE, up.STARTER_SOURCE, up.STARTER_NAME, up.STARTER_VERSION,
-                                        lambda d, t: progress.append((d, t)), messages.append, interval=0, client=c)
+                                        lambda d, t: progress.append((d, t)), messages.append, interval=0, client=c,
+                                        token=TOKEN)
 
 
 def _version(state: str, done: int | None = None, total: int | None = None, **more) -> dict:
@@ -126,22 +129,23 @@ def mirror(tmp_path, monkeypatch):
     return up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)
 
 
-def test_the_starter_through_the_mirror(mirror):
+def test_the_starter_through_the_mirror_with_the_mirrors_token(mirror):
     asked = []
+    mirror.token = TOKEN  # what start() read from, or made in, <data dir>/mirror.api-token
 
-    def fetch(api, base, source, model, version, progress, say):
-        asked.append((api, base, source, model, version))
+    def fetch(api, base, source, model, version, progress, say, token):
+        asked.append((api, base, source, model, version, token))
         return URL
 
     c = up.mirrored_model(mirror, None, print, lambda d, t: None, False, fetch=fetch)
     assert (c.source, c.name, c.file, c.noise) == (URL, up.STARTER_NAME, up.STARTER_FILE, False)
-    assert asked == [(mirror.api, mirror.base, up.STARTER_SOURCE, up.STARTER_NAME, up.STARTER_VERSION)]
+    assert asked == [(mirror.api, mirror.base, up.STARTER_SOURCE, up.STARTER_NAME, up.STARTER_VERSION, TOKEN)]
     assert up.mirrored_model(mirror, "mine", print, lambda d, t: None, False, fetch=fetch).name == "mine"
 
 
 def test_without_the_starter_the_tiny_model_is_served_from_the_mirror(mirror):
     messages = []
-    c = up.mirrored_model(mirror, None, messages.append, lambda d, t: None, False, fetch=lambda *a: None)
+    c = up.mirrored_model(mirror, None, messages.append, lambda d, t: None, False, fetch=lambda *a, **k: None)
     assert c.noise and c.name == up.TINY_NAME
     assert c.source == f"{mirror.base}/{up.TINY_NAME}/{up.TINY_VERSION}/tiny-llama.gguf"
     assert (mirror.root / up.TINY_NAME / up.TINY_VERSION / "tiny-llama.gguf").is_file()
@@ -149,7 +153,7 @@ def test_without_the_starter_the_tiny_model_is_served_from_the_mirror(mirror):
 
 
 def test_offline_asks_the_mirror_for_nothing(mirror):
-    def fetch(*a):
+    def fetch(*a, **k):
         raise AssertionError("offline: nothing is fetched")
 
     c = up.mirrored_model(mirror, None, lambda s: None, lambda d, t: None, True, fetch=fetch)
@@ -166,3 +170,20 @@ def test_ones_own_model_is_served_where_it_is(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"<html>")
     with pytest.raises(up.UpError, match="not a GGUF"):
         up.own_model(str(tmp_path / "x.gguf"), None)
+
+
+def test_ups_mirror_token_is_made_before_the_mirror_starts_and_kept_across_runs(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(up.Child, "start", lambda self: started.append(self.cmd))
+    m = up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)
+    m.start()
+    assert m.token_file == tmp_path / "mirror.api-token" and (m.token_file.stat().st_mode & 0o777) == 0o600
+    assert m.token == m.token_file.read_text().strip() and m.token.startswith("llmgw-mirror-")
+    cmd = started[0]
+    assert cmd[cmd.index("--api-token-file") + 1] == str(m.token_file)
+    again = up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)
+    again.start()
+    assert again.token == m.token
+    m.token_file.chmod(0o644)
+    with pytest.raises(up.UpError, match="others can read it"):
+        up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082).start()

@@ -105,9 +105,11 @@ def test_server_config_names_ups_mirror_and_its_source(tmp_path):
     pki, _ = up.ensure_pki(tmp_path)
     choice = up.Choice("http://127.0.0.1:18081/tiny-test/v1/t.gguf", "tiny-test", "t.gguf", noise=True)
     path = up.write_server_config(tmp_path, choice, pki, port=1, admin_port=2, agent_port=3, host="",
-                                  ctx_size=1, parallel=1, mirror_api="http://127.0.0.1:18082")
+                                  ctx_size=1, parallel=1, mirror_api="http://127.0.0.1:18082",
+                                  mirror_token_file=tmp_path / "mirror.api-token")
     cfg = load_server_config(path)
     assert cfg.mirror.api == "http://127.0.0.1:18082" and cfg.mirror.tls is None
+    assert cfg.mirror.token_file == str(tmp_path / "mirror.api-token")
     (m,) = cfg.models
     assert m.source == "http://127.0.0.1:18081/tiny-test/v1/t.gguf" and "noise" in m.description
 
@@ -145,8 +147,8 @@ def test_agent_command(monkeypatch, tmp_path):
 
 def test_mirror_command(monkeypatch, tmp_path):
     args = ["mirror", "--dir", str(tmp_path), "serve", "--listen", "127.0.0.1:1", "--api-listen", "127.0.0.1:2",
-            "--base", "http://127.0.0.1:1", "--api-allow", "127.0.0.1"]
-    assert up.mirror_command(tmp_path, "127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:1") == \
+            "--base", "http://127.0.0.1:1", "--api-allow", "127.0.0.1", "--api-token-file", str(tmp_path / "t")]
+    assert up.mirror_command(tmp_path, "127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:1", tmp_path / "t") == \
         [sys.executable, "-m", "llmgw.cli.main", *args]
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     m = up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)

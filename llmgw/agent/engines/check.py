@@ -92,6 +92,13 @@ def engine_check(engine: str, help_text: str, *, extra_signs: list[str] | None =
     for f in result.missing:
         result.problems.append(f"{f} is not in {adapter.label}'s --help: llmgw passes it, so this build would refuse "
                                "to start a shard (renamed or removed in this version?)")
+    # A variable the engine no longer reads fails silently: it would start, and serve without a key.
+    for name in adapter.checked_env():
+        if not flag_present(name, text):
+            result.missing.append(name)
+            result.problems.append(f"{name} is not in {adapter.label}'s --help: llmgw gives the engine the replica's "
+                                   "key through it, so this build would serve anyone without one (renamed or "
+                                   "removed in this version?)")
     signs = (extra_signs or []) + truncation_signs(adapter, text)
     if signs:
         consequence = ("so the flags reported missing may be there" if result.missing

@@ -52,10 +52,10 @@ async def probe(check: HealthCheck, session: aiohttp.ClientSession, timeout: flo
     t = aiohttp.ClientTimeout(total=timeout)
     where = f"{check.host}:{check.port}"
     try:
-        async with session.get(check.url(check.health_path), timeout=t) as resp:
+        async with session.get(check.url(check.health_path), timeout=t, headers=check.headers) as resp:
             if resp.status != 200:
                 return Readiness("loading", f"{check.health_path} answered {resp.status}")
-        async with session.get(check.url(check.models_path), timeout=t) as resp:
+        async with session.get(check.url(check.models_path), timeout=t, headers=check.headers) as resp:
             if resp.status != 200:
                 return Readiness("loading", f"{check.models_path} answered {resp.status}")
             payload = await resp.json(content_type=None)

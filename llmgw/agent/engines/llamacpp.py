@@ -49,6 +49,9 @@ class LlamaCpp(EngineAdapter):
                           kv_usage=("llamacpp:kv_cache_usage_ratio",))
     # The real help is about 730 lines; the first incident was one cut to 400.
     min_help_lines = 500
+    api_key_env = "LLAMA_API_KEY"
+    help_lists_env = True  # "(env: LLAMA_API_KEY)" under --api-key
+    api_key_flags = ("--api-key", "--api-key-file")
 
     def problems(self, launch: ShardLaunch, settings: EngineSettings) -> tuple[list[str], list[str]]:
         p = launch.profile
@@ -104,7 +107,7 @@ class LlamaCpp(EngineAdapter):
             # Without it there is no /metrics, and the router cannot see the load.
             args.append("--metrics")
         args += extra
-        return [Command(argv=tuple(args), env=finish_env(launch, gpu_env(launch)))]
+        return [Command(argv=tuple(args), env={**finish_env(launch, gpu_env(launch)), **self.key_env(launch)})]
 
     def sample_launches(self) -> list[ShardLaunch]:
         base = super().sample_launches()[0]

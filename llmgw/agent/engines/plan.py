@@ -23,7 +23,7 @@ class Command:
     """
 
     argv: tuple[str, ...]
-    env: dict[str, str]
+    env: dict[str, str] = field(repr=False)  # may hold the engine's key
     # A sidecar lives as long as the shard and dies with it; the last command
     # of a plan is never one, and its exit is the shard's.
     sidecar: bool = False
@@ -54,10 +54,16 @@ class HealthCheck:
     model: str
     health_path: str = "/health"
     models_path: str = "/v1/models"
+    # The engine's key: /v1/models and /metrics want it (llama-server leaves /health open).
+    api_key: str | None = field(default=None, repr=False)
 
     def url(self, path: str) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}{path}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass(frozen=True, slots=True)

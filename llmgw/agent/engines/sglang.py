@@ -64,6 +64,9 @@ class SGLang(EngineAdapter):
             args += ["--nnodes", str(p.nodes),
                      "--node-rank", str(g.rank),
                      "--dist-init-addr", hostport(g.leader_addr, g.leader_port)]
+        # SGLang reads its key from no environment variable, so it is on the command line;
+        # the supervisor masks it wherever it shows one.
+        args += self.key_args(launch)
         args += p.extra_args
         return [Command(argv=tuple(args), env=finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch)))]
 

@@ -131,6 +131,9 @@ class ShardLaunch(_Model):
     node: NodeFacts = Field(default_factory=NodeFacts)
     fabric: str | None = Field(
         default=None, description='The replica\'s fabric as placed: a fabric name, or "nvl:<domain>" inside an NVLink domain.')
+    api_key: str | None = Field(
+        default=None, repr=False,
+        description="The replica's secret, which the engine requires on every request; None: the engine asks for none.")
 
     @property
     def multi_node(self) -> bool:

@@ -48,13 +48,15 @@ class VLLM(EngineAdapter):
     # `serve --help` of recent releases is an 80-line list of groups;
     # `--help=all` runs to well over a thousand.
     min_help_lines = 150
+    # Read since 0.4.1 when --api-key is not given; its help does not list variables.
+    api_key_env = "VLLM_API_KEY"
 
     def problems(self, launch: ShardLaunch, settings: EngineSettings) -> tuple[list[str], list[str]]:
         return python_engine_problems(launch, self.label, _OWNED, _fields(launch), _QUANT)
 
     def commands(self, launch: ShardLaunch, settings: EngineSettings) -> list[Command]:
         p, g = launch.profile, launch.group
-        base_env = finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch))
+        base_env = {**finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch)), **self.key_env(launch)}
         args = [settings.vllm_bin, "serve", launch.model,
                 "--host", launch.host,
                 "--port", str(launch.port),
@@ -97,8 +99,8 @@ class VLLM(EngineAdapter):
                 sidecar=True)
             serve = Command(
                 argv=tuple(args + ["--distributed-executor-backend", "ray"] + p.extra_args),
-                env=finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch),
-                               {"VLLM_HOST_IP": g.leader_addr, "RAY_ADDRESS": head}),
+                env={**finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch),
+                                  {"VLLM_HOST_IP": g.leader_addr, "RAY_ADDRESS": head}), **self.key_env(launch)},
                 wait_for=leader_port)
             return [sidecar, serve]
         join = [ray, "start", "--address", head, "--num-gpus", str(len(p.gpu_ids)), "--block", "--disable-usage-stats"]

@@ -15,6 +15,7 @@ from urllib.parse import quote
 import aiohttp
 
 from llmgw.config.server import MirrorConfig
+from llmgw.files import SecretFileError, read_secret_file
 from llmgw.pki import PKIError, client_context
 
 GiB = 1 << 30
@@ -43,17 +44,24 @@ class MirrorClient:
         self.api = config.api.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._ssl: ssl.SSLContext | None = None
+        self._headers: dict[str, str] = {}
         if config.tls is not None:
             try:
                 self._ssl = client_context(config.tls.ca, config.tls.cert, config.tls.key)
             except PKIError as exc:
                 raise MirrorUnavailable(f"mirror.tls: {exc}") from None
+        if config.token_file is not None:
+            # Read once, at start: a token file that cannot be read stops the start with the reason.
+            try:
+                self._headers["Authorization"] = f"Bearer {read_secret_file(config.token_file)}"
+            except SecretFileError as exc:
+                raise MirrorUnavailable(f"mirror.token_file: {exc}") from None
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         url = self.api + path
         try:
             async with aiohttp.ClientSession(timeout=self._timeout) as http:
-                async with http.request(method, url, json=body, ssl=self._ssl) as resp:
+                async with http.request(method, url, json=body, ssl=self._ssl, headers=self._headers) as resp:
                     text = await resp.text()
                     try:
                         data = await resp.json(content_type=None) if text else {}

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmgw.config.server import ProfileConfig, ServerConfig
+from llmgw.files import new_token
 from llmgw.protocol import (
     FEATURE_DRAIN,
     DrainShard,
@@ -72,6 +73,8 @@ _DRAIN_TIMEOUT_S = 60.0
 _REQUEST_TIMEOUT_S = 30.0
 # Ticks woken by shard changes run at most this often.
 _MIN_TICK_SPACING_S = 0.2
+# Each replica's engine key says what it is wherever one turns up.
+ENGINE_KEY_PREFIX = "llmgw-engine-"
 
 
 class ControlError(Exception):
@@ -115,6 +118,8 @@ class Replica:
     replaces: str | None = None  # drain: the replica this one takes over from
     replaced_by: str | None = None
     endpoint: Endpoint | None = None
+    # What its engine requires and the gateway sends; None for an engine started without one.
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def node_ids(self) -> list[str]:
@@ -294,7 +299,10 @@ class Reconciler:
                     return None
                 problem = self.problems.get(name)
                 if problem is not None and not self._any_live(name):
-                    return problem
+                    # The refusal names nodes and their memory: the operator's to read (log,
+                    # ctl models, ctl explain-placement), not an API client's.
+                    return (f"model '{name}' cannot be started now: no node can take it; an operator can see "
+                            f"why with llmgw ctl explain-placement {name}")
                 left = deadline - self.clock()
                 if left <= 0:
                     return (f"model '{name}' is loading and was not ready within {self.cold_start_wait:g}s "
@@ -425,6 +433,9 @@ class Reconciler:
         rank = spec.rank or 0
         if rank == 0:
             r.http_port = spec.http_port
+        if rank == 0 or r.api_key is None:
+            # The key the engine was started with, as the agent kept it: the leader's is the one it checks.
+            r.api_key = spec.api_key
         shard = Shard(node_id=node.node_id, shard_id=rs.shard_id, rank=rank, gpus=tuple(spec.gpus or ()),
                       spec=spec, state=(rs.state or ShardState.PENDING).value, pid=rs.pid)
         r.shards.append(shard)
@@ -496,7 +507,8 @@ class Reconciler:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         b = self.config.router.breaker
-        ep = Endpoint(r.model, f"http://{host}:{r.http_port}", r.engine, None, b.failures, b.cooldown)
+        ep = Endpoint(r.model, f"http://{host}:{r.http_port}", r.engine, None, b.failures, b.cooldown,
+                      api_key=r.api_key)
         # The agent has seen the engine answer; the gateway's own probe keeps watching.
         ep.healthy = True
         ep.health_detail = f"ready (replica {r.id} on {leader.node_id})"
@@ -835,7 +847,8 @@ class Reconciler:
         pool = _pool(profile, pl.fabric or (f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else None))
         r = Replica(id=rid, model=entry.name, profile=profile.name, profile_fp=profile.fingerprint,
                     engine=profile.engine, pool=pool, memory_gb=profile.min_memory_gb or 0.0, http_port=port,
-                    nnodes=nnodes, created=now, created_wall=time.time(), replaces=p.replaces)
+                    nnodes=nnodes, created=now, created_wall=time.time(), replaces=p.replaces,
+                    api_key=new_token(ENGINE_KEY_PREFIX))
         eprofile = EngineProfile(name=profile.name, tensor_parallel=profile.tp if profile.gpu_class else None,
                                  args=list(profile.args) or None, env=dict(profile.env) or None)
         for rank, (nid, gpus) in enumerate(placed):
@@ -848,7 +861,8 @@ class Reconciler:
                 leader_port=leader_port, profile=eprofile, pool=pool, profile_fp=profile.fingerprint,
                 # NCCL is given the chosen fabric's adapters on this node and no others.
                 hcas=list(pl.adapters.get(nid, ())) or None,
-                fabric=f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else pl.fabric)
+                fabric=f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else pl.fabric,
+                api_key=r.api_key)  # every shard the same: one replica, one key
             r.shards.append(Shard(node_id=nid, shard_id=spec.shard_id, rank=rank, gpus=tuple(gpus), spec=spec,
                                   dispatched_at=now))
             self._shard_index[spec.shard_id] = rid

@@ -80,11 +80,14 @@ def pool_saturation(endpoints: EndpointSet, model: str, healthy_waiting: float, 
         the worst one: the router sends new work to the least loaded
         endpoint, so one hot replica does not make the pool full).
 
-    Scraped numbers are used while fresh (``router.metrics_stale_after``).
-    When an endpoint's are stale, or it never published one, its queue is
-    taken from this gateway's own count: its in-flight requests there beyond
-    the last running count the engine reported (the engine ran that many at
-    once, so the rest are taken to wait); its KV use is then left out.
+    An endpoint's queue is the larger of what its engine last reported waiting
+    and this gateway's own count: its requests in flight there beyond the most
+    the engine was ever seen running at once (the rest must be waiting inside
+    it). Scrapes come every second; the gateway's count moves with every
+    request, so a burst that arrives between two scrapes is held here, in the
+    gateway's queue with its bands and fairness, rather than piling up in the
+    engine's. Scraped numbers are used while fresh (``router.metrics_stale_after``);
+    when they are stale only the gateway's count is left, and KV use is left out.
     An engine that publishes nothing at all (``openai``) is left out of both
     ratios: admission cannot know its capacity and does not hold traffic on a
     guess. Unavailable endpoints (unhealthy, breaker open) are left out; a
@@ -101,10 +104,11 @@ def pool_saturation(endpoints: EndpointSet, model: str, healthy_waiting: float, 
         if not ep.available(now) or not _measured(ep):
             continue
         counted += 1
+        own = ep.inflight - max(ep.slots_seen, ep.running or 0.0)
         if ep.metrics_stale(now, stale_after) or ep.waiting is None:
-            waiting += max(0.0, ep.inflight - (ep.running or 0.0))
+            waiting += max(0.0, own)
         else:
-            waiting += max(0.0, ep.waiting)
+            waiting += max(0.0, ep.waiting, own)
             if ep.kv_usage is not None:
                 kv_sum += ep.kv_usage
                 kv_n += 1

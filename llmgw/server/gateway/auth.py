@@ -151,6 +151,11 @@ class KeyCache:
     def authenticate(self, header: str | None) -> Principal:
         if not header:
             raise AuthError("no api key was provided; send it as 'Authorization: Bearer <key>'", "missing_api_key")
+        if not header.isascii():
+            # aiohttp hands bytes above 0x7f through as surrogates, which no key holds (and
+            # which would not even encode for hashing).
+            raise AuthError("the api key holds characters that are not ASCII; keys are ASCII letters, "
+                            "digits, '-' and '_'", "invalid_api_key")
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise AuthError("the Authorization header should be 'Bearer <key>'", "invalid_api_key")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from llmgw.files import read_secret_file
 from llmgw.protocol.prometheus import parse_prometheus
 from llmgw.server.gateway.routing import PrefixLRU, Router
 
@@ -56,6 +57,18 @@ ENGINE_METRICS: dict[str, MetricNames | None] = {
 }
 
 
+def read_endpoint_key(ref: str | None) -> str | None:
+    """The key an operator's own engine requires, from the file its api_key names (@/path).
+
+    Raises SecretFileError, whose message names the file and never what it holds."""
+    return None if ref is None else read_secret_file(ref[1:])
+
+
+_REFUSED = (401, 403)
+_KEY_REFUSED = ("; the engine wants a key llmgw does not send, or refuses the one it sends "
+                "(an engine of server.yaml takes it from its endpoint's api_key)")
+
+
 def _first(values: dict[str, float], names: tuple[str, ...]) -> float | None:
     for n in names:
         if n in values:
@@ -71,10 +84,11 @@ class Endpoint:
         "inflight", "waiting", "running", "kv_usage", "scraped_at",
         "healthy", "health_detail", "failures", "open_until", "cooldown", "trial_inflight",
         "_breaker_failures", "_breaker_cooldown", "prefixes",
+        "_api_key", "auth_headers", "post_headers", "alive_at", "slots_seen",
     )
 
     def __init__(self, model: str, url: str, engine: str, upstream_model: str | None,
-                 breaker_failures: int = 3, breaker_cooldown: float = 10.0) -> None:
+                 breaker_failures: int = 3, breaker_cooldown: float = 10.0, *, api_key: str | None = None) -> None:
         self.model = model
         self.url = url
         self.engine = engine
@@ -85,6 +99,12 @@ class Endpoint:
         self.running: float | None = None
         self.kv_usage: float | None = None
         self.scraped_at = 0.0
+        # When the last probe that succeeded was sent: an engine that answers its probes is
+        # alive, however long a request of its takes (the first-byte timeout asks this).
+        self.alive_at = 0.0
+        # The most requests the engine was seen running at once: what it can run before
+        # requests queue inside it (admission counts the gateway's own in-flight beyond it).
+        self.slots_seen = 0.0
         self.healthy = False
         self.health_detail = "not checked yet"
         self.failures = 0
@@ -95,6 +115,20 @@ class Endpoint:
         self._breaker_cooldown = breaker_cooldown
         # Block hashes of prompts sent here recently (prefix routing; made on first use).
         self.prefixes: PrefixLRU | None = None
+        self.api_key = api_key
+
+    @property
+    def api_key(self) -> str | None:
+        """The engine's own key (its replica's secret, or the operator's for an engine of
+        server.yaml), sent on every request, scrape and health check; never shown."""
+        return self._api_key
+
+    @api_key.setter
+    def api_key(self, key: str | None) -> None:
+        self._api_key = key
+        # Built once, not per request: the proxy and the scraper pass these as they are.
+        self.auth_headers: dict[str, str] | None = {"Authorization": f"Bearer {key}"} if key else None
+        self.post_headers: dict[str, str] = {"Content-Type": "application/json", **(self.auth_headers or {})}
 
     # The breaker: closed while failures < threshold; open (no traffic) until
     # open_until; then half-open, letting a single trial request through.
@@ -150,6 +184,8 @@ class Endpoint:
         values = parse_prometheus(text, {*names.waiting, *names.running, *names.kv_usage})
         self.waiting = _first(values, names.waiting)
         self.running = _first(values, names.running)
+        if self.running is not None and self.running > self.slots_seen:
+            self.slots_seen = self.running
         kv = _first(values, names.kv_usage)
         # Some engines report percent, the rest a ratio; the router works in ratios.
         self.kv_usage = kv / 100.0 if kv is not None and kv > 1.0 else kv
@@ -249,22 +285,30 @@ class EndpointSet:
     async def _probe(self, ep: Endpoint) -> None:
         assert self._session is not None
         was = ep.healthy
+        sent = time.monotonic()
         try:
             if ep.names is None:
                 # Any OpenAI-compatible server lists its models; answering at all
-                # (even 401 for a server that wants its own key) means it is up.
-                async with self._session.get(ep.url + "/v1/models") as r:
+                # (even 401 for a server that wants a key llmgw was not given) means
+                # it is up. Refusing the key it was given means every request fails.
+                async with self._session.get(ep.url + "/v1/models", headers=ep.auth_headers) as r:
                     await r.read()
                     ok, detail = r.status < 500, f"GET /v1/models answered {r.status}"
+                    if ep.api_key and r.status in _REFUSED:
+                        ok, detail = False, detail + _KEY_REFUSED
             else:
-                async with self._session.get(ep.url + ep.names.health_path) as r:
+                # llama-server leaves /health open and wants the key for /metrics; both get it.
+                async with self._session.get(ep.url + ep.names.health_path, headers=ep.auth_headers) as r:
                     await r.read()
                     ok, detail = r.status == 200, f"GET {ep.names.health_path} answered {r.status}"
                 if ok:
-                    async with self._session.get(ep.url + "/metrics") as r:
+                    async with self._session.get(ep.url + "/metrics", headers=ep.auth_headers) as r:
                         text = await r.text()
                         if r.status == 200:
                             ep.apply_scrape(text, time.monotonic())
+                        elif r.status in _REFUSED:
+                            # It would refuse every request too (llama-server guards both alike).
+                            ok, detail = False, f"GET /metrics answered {r.status}" + _KEY_REFUSED
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             ok, detail = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except asyncio.CancelledError:
@@ -273,6 +317,8 @@ class EndpointSet:
             log.exception("probing %s failed unexpectedly", ep.url)
             ok, detail = False, repr(exc)
         ep.healthy = ok
+        if ok:
+            ep.alive_at = sent
         ep.health_detail = "ok" if ok else detail
         if ok != was:
             if ok:

@@ -8,13 +8,20 @@ the same pool key (the keys of one project, a person's keys) shares them.
 A check goes, in this order, and stops at the first refusal:
 
 0. the model allow-list (403);
-1. budgets, read only, at every pool with one; a model that costs nothing is
-   exempt. A budget stops spending once it is reached rather than refusing the
-   request that would cross it: a pool is refused when spent >= budget;
+1. budgets, at every pool with one; a model that costs nothing is exempt. A
+   pool is refused when spent + held >= budget, where held is the estimated
+   cost of its requests still in progress; an admitted request adds its own
+   estimated cost to every budget pool's held amount, and settlement swaps it
+   for the real cost. One request may still cross the budget (the one admitted
+   just under it), so a budget is overspent by at most about one request's
+   estimate however many arrive together, not by what is in flight;
 2. requests per minute at every pool with a limit, charging as it goes and
    refunding the pools already charged when a later one refuses;
 3. tokens per minute on the request's estimated tokens, likewise; the estimate
    is settled to the real count when the reply ends.
+
+The budget hold is taken last, once every rate pool has admitted the request,
+so a refusal anywhere holds nothing.
 
 Rate pools are sliding windows of one-second slots: at most the limit in the
 last 60 seconds, so 500 requests at once at a key limited to 100 a minute
@@ -37,6 +44,7 @@ from llmgw.server.gateway.principal import Pool, Principal
 MICROS = 1_000_000
 _SWEEP_EVERY = 60.0  # seconds of clock between drops of idle windows and stale spend
 _SLOTS = 60  # rate limits are per minute, counted in one-second slots
+_HELD_RETRY = 1.0  # Retry-After when a budget is only held by requests in progress, not spent
 
 
 def utcnow() -> datetime:
@@ -183,6 +191,21 @@ class _Window:
                 return max(s + _SLOTS - now, 0.0)
         return float(_SLOTS)
 
+    def reset_in(self, now: float) -> float:
+        """Seconds until nothing counted is left: the limit back at its full value.
+
+        The newest slot holding a charge leaves the window last; it is nearly
+        always the current second, so this rarely looks at more than one slot.
+        """
+        self._advance(int(now))
+        if self.used <= 0.0:
+            return 0.0
+        slots = self.slots
+        for s in range(self.head, self.head - _SLOTS, -1):
+            if slots[s % _SLOTS] > 0.0:
+                return max(s + _SLOTS - now, 0.0)
+        return 0.0
+
     def idle(self, now: float) -> bool:
         self._advance(int(now))
         return self.used == 0.0
@@ -260,6 +283,9 @@ class Reservation:
     started_at: float  # the accountant's clock
     done: bool = False
     cost_micros: int = 0
+    # The estimated cost held against each budget pool until settlement (pool keys).
+    held_micros: int = 0
+    held_pools: tuple[str, ...] = ()
     # (window, second, amount) of each charge, to settle or refund it.
     rpm_taken: list = field(default_factory=list)
     tpm_taken: list = field(default_factory=list)
@@ -280,15 +306,20 @@ class RateStatus:
     budget_pool: str | None = None
     period: str | None = None
     resets_at: datetime | None = None
+    held_micros: int | None = None  # of the budget pool: estimated cost of its requests in progress
+    requests_reset: float | None = None  # seconds until the requests pool is back to its full limit
+    tokens_reset: float | None = None
 
     def headers(self) -> dict[str, str]:
         h: dict[str, str] = {}
         if self.requests_limit is not None:
             h["x-ratelimit-limit-requests"] = str(self.requests_limit)
             h["x-ratelimit-remaining-requests"] = str(self.requests_remaining)
+            h["x-ratelimit-reset-requests"] = duration(self.requests_reset or 0.0)
         if self.tokens_limit is not None:
             h["x-ratelimit-limit-tokens"] = str(self.tokens_limit)
             h["x-ratelimit-remaining-tokens"] = str(self.tokens_remaining)
+            h["x-ratelimit-reset-tokens"] = duration(self.tokens_reset or 0.0)
         return h
 
 
@@ -313,6 +344,23 @@ def _seconds(s: float) -> str:
     return f"{math.ceil(s)} s" if s < 120 else f"{math.ceil(s / 60)} min"
 
 
+def duration(s: float) -> str:
+    """Seconds as OpenAI writes them in x-ratelimit-reset-*: "20ms", "1s", "8.64s", "6m0s" (Go's style).
+
+    Rounded up to the millisecond: a client that waits that long finds the limit full.
+    """
+    if s <= 0:
+        return "0s"
+    ms = math.ceil(s * 1000 - 1e-6)  # (less a hair of float error: 8.64 s is 8640 ms, not 8641)
+    if ms < 1000:
+        return f"{ms}ms"
+    if ms < 60_000:
+        return f"{ms / 1000:g}s"  # at most 5 significant digits: %g writes them exactly
+    minutes, ms = divmod(ms, 60_000)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes}m{ms / 1000:g}s" if hours else f"{minutes}m{ms / 1000:g}s"
+
+
 # --------------------------------------------------------------------- accountant
 
 
@@ -327,13 +375,17 @@ class Accountant:
         self._rpm: dict[str, _Window] = {}
         self._tpm: dict[str, _Window] = {}
         self._spend: dict[str, _Spend] = {}
+        # Estimated cost of the requests in progress, by budget pool key; an entry goes when it reaches 0.
+        self._held: dict[str, int] = {}
         self._periods: _Periods | None = None
         self._next_sweep = clock() + _SWEEP_EVERY
 
     # ------------------------------------------------------------------ check
 
-    def check(self, principal: Principal, model: str, estimated_tokens: int) -> Reservation:
-        """Admit one request or raise LimitError. Charges one request and the estimate on every rate pool."""
+    def check(self, principal: Principal, model: str, estimated_prompt: int,
+              estimated_completion: int = 0) -> Reservation:
+        """Admit one request or raise LimitError. Charges one request and the estimated tokens on every
+        rate pool, and holds the estimated cost (priced as prompt and completion) on every budget pool."""
         allowed = principal.models
         if allowed is not None and model not in allowed:
             may = f"it may use: {', '.join(sorted(allowed))}" if allowed else "it may use no models"
@@ -343,10 +395,16 @@ class Accountant:
         if now >= self._next_sweep:
             self._sweep(now)
 
-        # 1. budgets: read only, and only for a model that costs something.
+        ep = max(estimated_prompt, 0)
+        ec = max(estimated_completion, 0)
+
+        # 1. budgets, only for a model that costs something: nothing is held until the rates admit it.
+        hold = 0
+        hold_keys: list[str] = []
         if self.pricing._table or self.pricing._default is not None:
             per = None
             spends = self._spend
+            held = self._held
             price = None
             for pool in pools:
                 budget = pool.budget_micros
@@ -357,17 +415,25 @@ class Accountant:
                     if price is None:
                         break  # free: exempt from every budget
                     per = self._current_periods()
+                    hold = self.pricing.cost_micros(model, ep, ec)
                 assert per is not None
                 s = spends.get(pool.key)
                 spent = s.spent(pool.period, per.day_key, per.month_key) if s is not None else 0
-                if spent >= budget:
-                    raise self._budget_refusal(principal, pool, spent, per)
+                other = held.get(pool.key, 0)
+                if spent + other >= budget:
+                    raise self._budget_refusal(principal, pool, spent, other, per)
+                hold_keys.append(pool.key)
 
         # 2. requests per minute; 3. tokens per minute on the estimate.
-        est = estimated_tokens if estimated_tokens > 0 else 0
+        est = ep + ec
         rpm_taken = self._charge(self._rpm, pools, "rpm", 1.0, now, principal, ())
         tpm_taken = self._charge(self._tpm, pools, "tpm", float(est), now, principal, rpm_taken)
-        return Reservation(principal, model, pools, est, now, rpm_taken=rpm_taken, tpm_taken=tpm_taken)
+        if hold:
+            held = self._held
+            for k in hold_keys:
+                held[k] = held.get(k, 0) + hold
+        return Reservation(principal, model, pools, est, now, rpm_taken=rpm_taken, tpm_taken=tpm_taken,
+                           held_micros=hold if hold_keys else 0, held_pools=tuple(hold_keys) if hold else ())
 
     def _charge(self, table: dict[str, _Window], pools: tuple[Pool, ...], kind: str, amount: float, now: float,
                 principal: Principal, earlier: list[tuple[_Window, int, float]] | tuple
@@ -405,13 +471,21 @@ class Accountant:
         for w, sec, amount in taken:
             w.adjust(sec, now, -amount)
 
-    def _budget_refusal(self, principal: Principal, pool: Pool, spent: int, per: _Periods) -> LimitError:
+    def _budget_refusal(self, principal: Principal, pool: Pool, spent: int, held: int, per: _Periods) -> LimitError:
         ends = per.ends(pool.period)
-        wait = max((ends - self._wall_now()).total_seconds(), 1.0)
         assert pool.budget_micros is not None
-        msg = (f"the budget of {describe(pool.key)} is spent for this {pool.period} "
-               f"({_money(spent)} of {_money(pool.budget_micros)}); it resets at {ends:%Y-%m-%d %H:%M} UTC")
-        return LimitError(429, msg, "budget_spent", wait, self._refusal_headers(principal, self._clock(), wait))
+        if spent >= pool.budget_micros:
+            wait = max((ends - self._wall_now()).total_seconds(), 1.0)
+            msg = (f"the budget of {describe(pool.key)} is spent for this {pool.period} "
+                   f"({_money(spent)} of {_money(pool.budget_micros)}); it resets at {ends:%Y-%m-%d %H:%M} UTC")
+            return LimitError(429, msg, "budget_spent", wait, self._refusal_headers(principal, self._clock(), wait))
+        # Not spent yet, but requests in progress may spend the rest: what they leave unspent
+        # comes back when they finish, so retrying soon may succeed.
+        wait = _HELD_RETRY
+        msg = (f"the budget of {describe(pool.key)} for this {pool.period} is taken up by requests in progress "
+               f"({_money(spent)} spent and up to {_money(held)} held of {_money(pool.budget_micros)}); "
+               f"retry in {_seconds(wait)}, when some have finished")
+        return LimitError(429, msg, "budget_held", wait, self._refusal_headers(principal, self._clock(), wait))
 
     def _refusal_headers(self, principal: Principal, now: float, wait: float) -> dict[str, str]:
         h = self._headers(principal.pools, now)
@@ -427,6 +501,7 @@ class Accountant:
         if reservation.done:
             return 0
         reservation.done = True
+        self._release(reservation)
         now = self._clock()
         actual = max(prompt_tokens, 0) + max(completion_tokens, 0)
         diff = actual - reservation.estimated_tokens
@@ -446,13 +521,30 @@ class Accountant:
         return cost
 
     def cancel(self, reservation: Reservation) -> None:
-        """The request never reached an engine: refund its request and its estimated tokens."""
+        """The request never reached an engine: refund its request and its estimated tokens, release its hold."""
         if reservation.done:
             return
         reservation.done = True
+        self._release(reservation)
         now = self._clock()
         self._refund(reservation.rpm_taken, now)
         self._refund(reservation.tpm_taken, now)
+
+    def _release(self, reservation: Reservation) -> None:
+        amount = reservation.held_micros
+        if not amount:
+            return
+        held = self._held
+        for k in reservation.held_pools:
+            left = held.get(k, 0) - amount
+            if left > 0:
+                held[k] = left
+            else:
+                held.pop(k, None)  # nothing in progress: no entry kept
+
+    def held(self, pool_key: str) -> int:
+        """The estimated cost held on a budget pool by its requests in progress, in micro-units."""
+        return self._held.get(pool_key, 0)
 
     # ----------------------------------------------------------------- status
 
@@ -461,13 +553,16 @@ class Accountant:
         return self._status(principal, self._clock(), with_budget=True)
 
     def headers(self, principal: Principal) -> dict[str, str]:
-        """x-ratelimit-{limit,remaining}-{requests,tokens} of the fullest pools; a kind no pool limits is left out."""
+        """x-ratelimit-{limit,remaining,reset}-{requests,tokens} of the fullest pools; a kind no pool limits
+        is left out. reset is the time until that pool is back to its full limit (OpenAI's "resets to its
+        initial state"): when the last charge counted in its sliding window leaves it."""
         return self._headers(principal.pools, self._clock())
 
     def _headers(self, pools: tuple[Pool, ...], now: float) -> dict[str, str]:
         # The same choice as _status (least left, then the smaller limit), without building a RateStatus.
         r_left = t_left = r_cap = t_cap = 0
         r_found = t_found = False
+        r_win = t_win = None
         rb, tb = self._rpm, self._tpm
         for pool in pools:
             cap = pool.rpm
@@ -475,24 +570,26 @@ class Accountant:
                 b = rb.get(pool.key)
                 left = cap if b is None else max(int(b.peek(now)), 0)
                 if not r_found or left < r_left or (left == r_left and cap < r_cap):
-                    r_found, r_left, r_cap = True, left, cap
+                    r_found, r_left, r_cap, r_win = True, left, cap, b
             cap = pool.tpm
             if cap is not None:
                 b = tb.get(pool.key)
                 left = cap if b is None else max(int(b.peek(now)), 0)
                 if not t_found or left < t_left or (left == t_left and cap < t_cap):
-                    t_found, t_left, t_cap = True, left, cap
+                    t_found, t_left, t_cap, t_win = True, left, cap, b
         h: dict[str, str] = {}
         if r_found:
             h["x-ratelimit-limit-requests"] = str(r_cap)
             h["x-ratelimit-remaining-requests"] = str(r_left)
+            h["x-ratelimit-reset-requests"] = duration(r_win.reset_in(now)) if r_win is not None else "0s"
         if t_found:
             h["x-ratelimit-limit-tokens"] = str(t_cap)
             h["x-ratelimit-remaining-tokens"] = str(t_left)
+            h["x-ratelimit-reset-tokens"] = duration(t_win.reset_in(now)) if t_win is not None else "0s"
         return h
 
     def _status(self, principal: Principal, now: float, *, with_budget: bool) -> RateStatus:
-        r = t = None  # (remaining, limit, key)
+        r = t = None  # (remaining, limit, key, seconds until full)
         budget = None  # (fraction, spent, budget, pool)
         per = None
         for pool in principal.pools:
@@ -500,12 +597,12 @@ class Accountant:
                 b = self._rpm.get(pool.key)
                 left = max(int(b.peek(now)), 0) if b is not None else pool.rpm
                 if r is None or (left, pool.rpm) < (r[0], r[1]):
-                    r = (left, pool.rpm, pool.key)
+                    r = (left, pool.rpm, pool.key, b.reset_in(now) if b is not None else 0.0)
             if pool.tpm is not None:
                 b = self._tpm.get(pool.key)
                 left = max(int(b.peek(now)), 0) if b is not None else pool.tpm
                 if t is None or (left, pool.tpm) < (t[0], t[1]):
-                    t = (left, pool.tpm, pool.key)
+                    t = (left, pool.tpm, pool.key, b.reset_in(now) if b is not None else 0.0)
             if with_budget and pool.budget_micros is not None:
                 per = per or self._current_periods()
                 s = self._spend.get(pool.key)
@@ -521,6 +618,8 @@ class Accountant:
             budget_micros=budget[2] if budget else None, spent_micros=budget[1] if budget else None,
             budget_pool=budget[3].key if budget else None, period=budget[3].period if budget else None,
             resets_at=per.ends(budget[3].period) if budget and per else None,
+            held_micros=self._held.get(budget[3].key, 0) if budget else None,
+            requests_reset=r[3] if r else None, tokens_reset=t[3] if t else None,
         )
 
     def spent(self, pool_key: str, period: str = "month") -> int:

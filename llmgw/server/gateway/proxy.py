@@ -1,9 +1,11 @@
 """The request path: read, authenticate, resolve the model, choose an endpoint, proxy, record.
 
 Nothing here waits on the database. The body is parsed once; it is re-encoded
-only when something in it has to change (the upstream model name, or asking
-the engine for usage on a stream). Streams are passed through as the engine
-wrote them, event by event; only the usage event is looked into.
+only when something in it has to change (the upstream model name, an output
+limit, or asking the engine for usage on a stream). Streams are passed through
+as the engine wrote them, event by event; only the usage event is decoded, and
+the rest are touched only as bytes (the model name the client asked for put in,
+output tokens counted for a stream that ends before its usage event).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from llmgw.server.gateway.admission import (Admission, AdmissionRejected, Ticket
                                             pool_saturation)
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
-from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.limits import Accountant, LimitError, Pricing, Reservation
 from llmgw.server.gateway.routing import RouterCollector
 from llmgw.server.gateway.usage import UsageRecorder
@@ -91,8 +93,76 @@ class _EventStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
+# What a client reads about an engine that failed: its request, never the engine's address
+# (operators find that in the log and in `llmgw ctl`).
+_UNREACHABLE = "the model's engine could not be reached"
+
+
+def _log_engine_error(ep: Endpoint, served: "ServedModel", what: str) -> None:
+    log.warning("engine %s (%s): %s", ep.url, served.name, what)
+
+
+class _FirstByteWatch:
+    """Cuts a request whose engine sends nothing (not even headers) for timeouts.first_byte
+    while answering no health check either: a frozen engine (SIGSTOP, a hung driver) holds
+    requests until timeouts.generation otherwise.
+
+    An engine that answers its probes is alive and only slow (a long prompt, a long reply
+    that is not streamed, whose headers come at the end): it is never cut by this. The
+    check runs on a timer, not a task, so the request path pays one timer handle.
+    """
+
+    __slots__ = ("ep", "limit", "deadline", "handle", "fired")
+
+    def __init__(self, ep: Endpoint, limit: float) -> None:
+        self.ep = ep
+        self.limit = limit
+        self.deadline: asyncio.Timeout | None = None
+        self.handle: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def arm(self, deadline: asyncio.Timeout) -> None:
+        self.deadline = deadline
+        self.handle = asyncio.get_running_loop().call_later(self.limit, self._check)
+
+    def _check(self) -> None:
+        loop = asyncio.get_running_loop()
+        # alive_at is on the monotonic clock, like the loop's.
+        if self.ep.alive_at >= time.monotonic() - self.limit:
+            # It answered a probe sent within the last `limit` seconds: look again later.
+            self.handle = loop.call_later(min(self.limit, 1.0), self._check)
+            return
+        self.fired = True
+        self.handle = None
+        assert self.deadline is not None
+        self.deadline.reschedule(loop.time())
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
 class _StreamCut(Exception):
     """The engine's stream broke after the client had already received bytes."""
+
+
+# Set on a request whose usage is recorded, so a cancellation after it records nothing more.
+_RECORDED = web.RequestKey("llmgw.recorded", bool)
+
+# Output tokens in stream events the engine has not counted for us (a stream cut before its usage
+# event): one per event carrying generated text, as (field with a string, the same empty) pairs.
+# llama.cpp, vLLM and SGLang send one event per token by default, in compact JSON; the spaced
+# form ("key": "value") is for other OpenAI-compatible servers, chosen by a stream's first event.
+# A quote followed by ":" (or ": ") and a quote never occurs inside a JSON string (quotes there
+# are escaped), so only real fields match; "content" also matches "reasoning_content". An empty
+# string is no token (the role-only first event); null is not matched.
+_OUTPUT_FIELDS_SEEN = {
+    ("chat", False): ((b'content":"', b'content":""'), (b'arguments":"', b'arguments":""')),
+    ("chat", True): ((b'content": "', b'content": ""'), (b'arguments": "', b'arguments": ""')),
+    ("completions", False): ((b'text":"', b'text":""'),),
+    ("completions", True): ((b'text": "', b'text": ""'),),
+}
 
 
 class Gateway:
@@ -127,6 +197,7 @@ class Gateway:
         self._admission_task: asyncio.Task | None = None
         t = config.timeouts
         self._timeout = aiohttp.ClientTimeout(total=t.generation, sock_connect=t.connect)
+        self._first_byte = t.first_byte
         self._session: aiohttp.ClientSession | None = None
 
     def set_models(self, models: Sequence[ModelConfig]) -> None:
@@ -139,9 +210,10 @@ class Gateway:
         self._model_configs = list(models)
         self.models = table
         self.router.set_model_strategies({m.name: m.routing for m in models})
-        self._models_body = self._render_models()
+        self._models_body, self._model_bodies = self._render_models()
 
-    def _render_models(self) -> bytes:
+    def _render_models(self) -> tuple[bytes, dict[str, bytes]]:
+        """GET /v1/models's body, and GET /v1/models/{id}'s for each name: rendered once per change."""
         data = []
         for m in self._model_configs:
             for name in (m.name, *m.aliases):
@@ -153,7 +225,7 @@ class Gateway:
                 if m.max_output is not None:
                     entry["max_output"] = m.max_output
                 data.append(entry)
-        return orjson.dumps({"object": "list", "data": data})
+        return orjson.dumps({"object": "list", "data": data}), {e["id"]: orjson.dumps(e) for e in data}
 
     async def start(self) -> None:
         # No per-host limit: the engines queue for themselves and report it.
@@ -179,6 +251,8 @@ class Gateway:
         app.router.add_post("/v1/completions", self._handler(COMPLETIONS))
         app.router.add_post("/v1/embeddings", self._handler(EMBEDDINGS))
         app.router.add_get("/v1/models", self.list_models)
+        # A name may hold slashes (Qwen/Qwen2.5-7B-Instruct), as the SDKs send it unescaped.
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
 
     # -- small handlers ---------------------------------------------------
 
@@ -193,6 +267,19 @@ class Gateway:
         except AuthError as exc:
             return error_response(401, exc.message, exc.code)
         return web.Response(body=self._models_body, content_type="application/json")
+
+    async def get_model(self, request: web.Request) -> web.StreamResponse:
+        """One model by name or alias (the SDKs' models.retrieve), in the listing's form."""
+        try:
+            self._authenticate(request)
+        except AuthError as exc:
+            return error_response(401, exc.message, exc.code)
+        name = request.match_info["model"]
+        body = self._model_bodies.get(name)
+        if body is None:
+            return error_response(404, f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
+                                  "model_not_found", "model")
+        return web.Response(body=body, content_type="application/json")
 
     # -- the proxy ----------------------------------------------------------
 
@@ -242,16 +329,15 @@ class Gateway:
         stream = body.get("stream", False) if route.streams else False
         if not isinstance(stream, bool):
             return self._refuse(route, served.name, 400, "'stream' should be true or false", "invalid_request", "stream")
-        if served.max_output is not None:
-            for field in ("max_tokens", "max_completion_tokens"):
-                asked = body.get(field)
-                if isinstance(asked, int) and asked > served.max_output:
-                    return self._refuse(route, served.name, 400,
-                                        f"{field} is {asked}, but this model allows at most {served.max_output}",
-                                        "max_tokens_too_large", field)
+        out_limit: int | None = None
+        changed = False
+        if route.streams:  # the routes that generate; embeddings have no output to cap
+            try:
+                out_limit, changed = _output_limit(body, served.max_output)
+            except _BadField as exc:
+                return self._refuse(route, served.name, 400, exc.message, exc.code, exc.field)
 
         client_wants_usage = True
-        changed = False
         if stream:
             opts = body.get("stream_options")
             if opts is None:
@@ -266,7 +352,7 @@ class Gateway:
         res: Reservation | None = None
         if self.accountant is not None and (principal.pools or principal.models is not None):
             try:
-                res = self.accountant.check(principal, served.name, _estimate(raw, body, served))
+                res = self.accountant.check(principal, served.name, *_estimate(raw, out_limit, served))
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
                 return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None)
@@ -338,17 +424,31 @@ class Gateway:
             ep.inflight += 1
             t_up = _perf()
             try:
+                watch = _FirstByteWatch(ep, self._first_byte)
                 try:
-                    upstream = await self._session.post(ep.url + route.path, data=payload,
-                                                        headers={"Content-Type": "application/json"})
+                    async with asyncio.timeout(None) as deadline:
+                        watch.arm(deadline)
+                        upstream = await self._session.post(ep.url + route.path, data=payload,
+                                                            headers=ep.post_headers)  # with the engine's key
                 except aiohttp.ConnectionTimeoutError as exc:
                     # Could not even connect: another endpoint may well answer.
                     upstream_time += _perf() - t_up
                     ep.record_failure("connect timed out")
-                    last_error, last_status = f"the engine could not be reached: {exc}", 502
+                    _log_engine_error(ep, served, f"connect timed out: {exc}")
+                    last_error, last_status = _UNREACHABLE, 502
                     continue
                 except asyncio.TimeoutError:
                     upstream_time += _perf() - t_up
+                    if watch.fired:
+                        # Frozen, not slow: it answered no health check either. Nothing has
+                        # reached the client, so another replica may take the request.
+                        ep.record_failure(f"sent nothing for {self._first_byte:g}s and answered no health check")
+                        log.warning("%s (%s) sent nothing for %gs and answered no health check; trying "
+                                    "another replica", ep.url, served.name, self._first_byte)
+                        last_error = (f"the engine sent nothing within {self._first_byte:g}s "
+                                      "(timeouts.first_byte)")
+                        last_status = 504
+                        continue
                     ep.record_failure("timed out")
                     # The engine may simply be slow; trying another one would double the wait.
                     return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, 504,
@@ -357,25 +457,35 @@ class Gateway:
                 except aiohttp.ClientError as exc:
                     upstream_time += _perf() - t_up
                     ep.record_failure(str(exc) or type(exc).__name__)
-                    last_error, last_status = f"the engine could not be reached: {exc}", 502
+                    _log_engine_error(ep, served, str(exc) or type(exc).__name__)
+                    last_error, last_status = _UNREACHABLE, 502
                     continue
+                finally:
+                    watch.disarm()
                 if upstream.status in _RETRYABLE_STATUS and attempt + 1 < attempts:
                     detail = (await upstream.read())[:200]
                     upstream.release()
                     upstream_time += _perf() - t_up
                     ep.record_failure(f"answered {upstream.status}")
-                    last_error, last_status = f"the engine answered {upstream.status}: {detail.decode(errors='replace')}", 502
+                    _log_engine_error(ep, served, f"answered {upstream.status}: {detail.decode(errors='replace')}")
+                    last_error, last_status = f"the model's engine answered {upstream.status}", 502
                     continue
                 if stream and upstream.status == 200 and upstream.content_type == "text/event-stream":
                     return await self._stream(request, route, principal, served, asked, ep, upstream,
-                                              client_wants_usage, t0, t_up, upstream_time, res)
+                                              client_wants_usage, t0, t_up, upstream_time, res,
+                                              _prompt_estimate(raw))
                 return await self._whole(route, principal, served, asked, ep, upstream, stream, t0, t_up, upstream_time,
                                          res)
             except asyncio.CancelledError:
                 # The client went away; aiohttp cancels the handler, which drops the
-                # engine request too, so the engine stops working for nobody.
-                self.metrics.count_request(served.name, route.name, 499)
-                self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, stream, res)
+                # engine request too, so the engine stops working for nobody. A stream
+                # already recorded what had passed through.
+                if not request.get(_RECORDED):
+                    # Nothing reached the client, but the engine read the prompt: that much is
+                    # charged, so leaving early is no way round a tokens-per-minute limit.
+                    self.metrics.count_request(served.name, route.name, 499)
+                    self._record(principal, served, asked, ep, _prompt_estimate(raw), 0, _perf() - t0, None, 499,
+                                 stream, res)
                 raise
             finally:
                 ep.inflight -= 1
@@ -409,9 +519,9 @@ class Gateway:
             ep.record_failure(str(exc) or type(exc).__name__)
             upstream_time = upstream_before + _perf() - t_up
             status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            _log_engine_error(ep, served, f"reply broke off: {exc or type(exc).__name__}")
             return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, status,
-                                      f"the engine's reply broke off: {exc or type(exc).__name__}", "upstream_error",
-                                      res)
+                                      "the model's engine broke off its reply", "upstream_error", res)
         t_done = _perf()
         upstream.release()
         status = upstream.status
@@ -422,12 +532,34 @@ class Gateway:
         prompt = completion = 0
         if status == 200 and upstream.content_type == "application/json":
             try:
-                usage = orjson.loads(data).get("usage")
-            except (orjson.JSONDecodeError, AttributeError):
-                usage = None
-            if isinstance(usage, dict):
-                prompt, completion = _tokens(usage)
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict):
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    prompt, completion = _tokens(usage)
+                engine_name = obj.get("model")
+                if engine_name is not None and engine_name != asked:
+                    # The client sees the name it asked for (an alias, say), not the engine's:
+                    # the field's bytes replaced where they are plainly the top-level value (a
+                    # large embeddings answer is not re-encoded), else the answer re-encoded.
+                    field = _model_field(data)
+                    if (field and isinstance(engine_name, str)
+                            and field[field.index(b'"', 8) + 1:-1] == engine_name.encode()):
+                        data = data.replace(field, b'"model":' + orjson.dumps(asked), 1)
+                    else:
+                        obj["model"] = asked
+                        data = orjson.dumps(obj)
+        if status >= 500:
+            # An engine's own failure text may name its host, paths or devices: the operator
+            # reads it in the log; the client reads what happened to its request.
+            _log_engine_error(ep, served, f"answered {status}: {data[:500].decode(errors='replace')}")
+            data = error_body(status, f"the model's engine failed (it answered {status}); try again",
+                              "upstream_error")
+            headers = {"Content-Type": "application/json"}
+        else:
+            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         resp = web.Response(status=status, body=data, headers=headers)
         upstream_time = upstream_before + t_done - t_up
         elapsed = _perf() - t0
@@ -442,7 +574,7 @@ class Gateway:
     async def _stream(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
                       asked: str, ep: Endpoint, upstream: aiohttp.ClientResponse, client_wants_usage: bool,
                       t0: float, t_up: float, upstream_before: float,
-                      res: Reservation | None = None) -> web.StreamResponse:
+                      res: Reservation | None = None, prompt_guess: int = 0) -> web.StreamResponse:
         t_headers = _perf()
         resp = _EventStream(status=200)
         resp.content_type = "text/event-stream"
@@ -457,8 +589,17 @@ class Gateway:
         own = _perf() - t0 - upstream_time
         resp.headers["Server-Timing"] = _timing(own, upstream_time)
         prompt = completion = 0
+        counted = False  # the engine's usage event arrived
+        seen = 0  # else: output tokens counted in the events that passed (_OUTPUT_FIELDS_SEEN)
+        patterns: tuple[tuple[bytes, bytes], ...] | None = None
+        # The name the client asked for goes into every event's "model", by a bytes replacement of
+        # the upstream's value (learned from the first event that has one): no event is decoded.
+        new_model = b'"model":' + orjson.dumps(asked)
+        old_model: bytes | None = None
+        rename = True
         ttft: float | None = None
         status = 200
+        cancelled: asyncio.CancelledError | None = None
         try:
             await resp.prepare(request)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
@@ -478,12 +619,25 @@ class Gateway:
                         continue
                     cut += 2
                     out, pending = data[:cut], data[cut:]
-                    if b'"usage"' in out:
+                    usage = None
+                    if _has_usage(out):
                         out, usage = _take_usage(out, strip=not client_wants_usage)
                         if usage is not None:
                             prompt, completion = _tokens(usage)
+                            counted = True
                         if not out:
                             continue
+                    if usage is None and not counted:
+                        if patterns is None:
+                            patterns = _OUTPUT_FIELDS_SEEN[route.name, b'": "' in out]
+                        seen += _count_output(out, patterns)
+                    if rename:
+                        if old_model is None:
+                            old_model = _model_field(out)
+                            if old_model is not None and old_model in (new_model, b""):
+                                rename = False  # already the asked name, or a value not safe to touch
+                        if rename and old_model is not None:
+                            out = out.replace(old_model, new_model)
                     if ttft is None:
                         ttft = _perf() - t0
                     if not pending and upstream.content.at_eof():
@@ -493,6 +647,8 @@ class Gateway:
                     await resp.write(out)
                 else:
                     if pending:
+                        if rename and old_model is not None:
+                            pending = pending.replace(old_model, new_model)
                         await resp.write(pending)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 if isinstance(exc, aiohttp.ClientConnectionResetError):
@@ -511,8 +667,19 @@ class Gateway:
         except _StreamCut:
             log.warning("stream from %s (%s) broke off after the first byte", ep.url, served.name)
             request.transport and request.transport.close()
+        except asyncio.CancelledError as exc:
+            # The client left and aiohttp cancelled the handler: record what passed (below, without
+            # awaiting anything), then let the cancellation go on.
+            status = 499
+            ep.record_success()
+            cancelled = exc
         finally:
             upstream.close()
+        if not counted:
+            # Cut before the engine's usage event: charge the output that passed (none, when
+            # nothing reached the client yet), and the prompt as estimated at admission, which
+            # the engine read either way (its own prompt count comes only with its usage event).
+            prompt, completion = prompt_guess, seen
         elapsed = _perf() - t0
         self.metrics.overhead.observe(own)
         self.metrics.count_request(served.name, route.name, status)
@@ -521,6 +688,9 @@ class Gateway:
             self.metrics.observe_ttft(served.name, ttft)
         self.metrics.count_tokens(served.name, prompt, completion)
         self._record(principal, served, asked, ep, prompt, completion, elapsed, ttft, status, True, res)
+        if cancelled is not None:
+            request[_RECORDED] = True
+            raise cancelled
         return resp
 
     def _record(self, principal: Principal, served: ServedModel, asked: str, ep: Endpoint, prompt: int,
@@ -541,13 +711,74 @@ class Gateway:
         ))
 
 
-def _estimate(raw: bytes, body: dict, served: ServedModel) -> int:
-    """Tokens a request may use, before the engine says: about four bytes of JSON a
-    prompt token, plus what it may generate. Settled to the real count at the end."""
-    out = body.get("max_completion_tokens") or body.get("max_tokens")
-    if not isinstance(out, int) or out <= 0:
-        out = served.max_output or 256
-    return len(raw) // 4 + out
+# What a request asks an engine to generate at most, by every name engines read it under:
+# OpenAI's two and llama.cpp's own (which llama.cpp prefers over the others).
+_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+# Output tokens assumed for a request that sets no limit on a model with no max_output.
+_DEFAULT_OUTPUT = 256
+
+
+class _BadField(Exception):
+    """A field of the request the gateway cannot read: refused with 400, naming it."""
+
+    def __init__(self, field: str, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+        self.code = code
+
+
+def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
+    """Read the request's output limit, the same way for each of _OUTPUT_FIELDS; returns it
+    (the largest given, None when none is) and whether the body was changed.
+
+    A whole number is read as such, 200.0 included (and sent on as 200, so the engine reads
+    what the gateway read); null is "not given". Anything else (200.5, a negative number, a
+    string, true/false) raises _BadField, as does a value above ``cap`` (the model's
+    max_output). With a cap, the engine is always sent a max_tokens, which every engine
+    reads: the cap when no limit was given, else the client's own n_predict (an engine that
+    does not know n_predict would otherwise run on to its context).
+    """
+    largest: int | None = None
+    changed = False
+    openai_named = False
+    for field in _OUTPUT_FIELDS:
+        v = body.get(field)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = body[field] = int(v)
+            changed = True
+        elif isinstance(v, bool) or not isinstance(v, int):
+            shown = orjson.dumps(v).decode()[:40]
+            raise _BadField(field, f"'{field}' should be a whole number of tokens, not {shown}")
+        if v < 0:
+            raise _BadField(field, f"'{field}' is {v}; give a number of tokens of 0 or more, or leave it out")
+        if cap is not None and v > cap:
+            raise _BadField(field, f"{field} is {v}, but this model allows at most {cap}; ask for {cap} or "
+                            "fewer, or leave it out to get up to that", "max_tokens_too_large")
+        if field != "n_predict":
+            openai_named = True
+        if largest is None or v > largest:
+            largest = v
+    if cap is not None and not openai_named:
+        largest = cap if largest is None else largest
+        body["max_tokens"] = largest
+        changed = True
+    return largest, changed
+
+
+def _prompt_estimate(raw: bytes) -> int:
+    """Prompt tokens before the engine says: about four bytes of request JSON a token."""
+    return len(raw) // 4
+
+
+def _estimate(raw: bytes, out_limit: int | None, served: ServedModel) -> tuple[int, int]:
+    """(prompt, completion) tokens a request may use, before the engine says: the prompt
+    estimate plus the output limit as _output_limit read it (else the model's max_output,
+    else _DEFAULT_OUTPUT). Settled to the real count at the end."""
+    out = out_limit if out_limit is not None else (served.max_output or _DEFAULT_OUTPUT)
+    return _prompt_estimate(raw), out
 
 
 def _timing(own: float, upstream: float) -> str:
@@ -558,6 +789,40 @@ def _tokens(usage: dict) -> tuple[int, int]:
     prompt = usage.get("prompt_tokens") or 0
     completion = usage.get("completion_tokens") or 0
     return (prompt if isinstance(prompt, int) else 0, completion if isinstance(completion, int) else 0)
+
+
+def _count_output(block: bytes, patterns: tuple[tuple[bytes, bytes], ...]) -> int:
+    """Output tokens in a run of events: those carrying generated text (see _OUTPUT_FIELDS_SEEN)."""
+    n = 0
+    for field, empty in patterns:
+        c = block.count(field)
+        if c:
+            n += c - block.count(empty)
+    return n
+
+
+def _has_usage(block: bytes) -> bool:
+    """Whether a run of events may hold a usage object; "usage":null (OpenAI and the fake engine
+    send it on every event when usage is asked for) is no usage, and is not decoded."""
+    return b'"usage":{' in block or b'"usage": {' in block
+
+
+def _model_field(block: bytes) -> bytes | None:
+    """The bytes of the first `"model":"..."` field in a run of events: None when there is none,
+    b"" when its value holds an escape (left alone rather than matched wrongly)."""
+    i = block.find(b'"model":')
+    if i < 0:
+        return None
+    j = i + 8
+    while block[j:j + 1] == b" ":
+        j += 1
+    if block[j:j + 1] != b'"':
+        return b""
+    k = block.find(b'"', j + 1)
+    if k < 0:
+        return b""
+    field = block[i:k + 1]
+    return b"" if b"\\" in field else field
 
 
 def _take_usage(block: bytes, strip: bool) -> tuple[bytes, dict | None]:
@@ -572,7 +837,7 @@ def _take_usage(block: bytes, strip: bool) -> tuple[bytes, dict | None]:
     for event in block.split(b"\n\n"):
         if not event:
             continue
-        if b'"usage"' in event and event.startswith(b"data:"):
+        if _has_usage(event) and event.startswith(b"data:"):
             try:
                 obj = orjson.loads(event[5:])
             except orjson.JSONDecodeError:

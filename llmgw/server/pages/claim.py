@@ -53,8 +53,12 @@ class ClaimPage:
 
     async def claim(self, request: web.Request) -> web.Response:
         wants_json = "application/json" in request.headers.get("Accept", "")
+        token = request.match_info["token"]
+        if not token.isascii():
+            # Tokens are URL-safe base64: anything else is no link of ours, told apart without the store.
+            return self._answer(wants_json, 404, "This claim link is not valid.")
         try:
-            secret = await self.store.claim_key(request.match_info["token"])
+            secret = await self.store.claim_key(token)
         except NotFound as exc:
             return self._answer(wants_json, 404, str(exc))
         except StoreError as exc:

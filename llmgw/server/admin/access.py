@@ -1,0 +1,101 @@
+"""Who may use the admin API: an admin token, or a client certificate the fleet's CA issued
+to a name listed in admin_tls.clients. Being on loopback is not a credential.
+
+The first token is made at the server's first start and written, mode 0600, to
+``data_dir/admin-token``, where `llmgw ctl` on this machine finds it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from llmgw.files import SecretFileError, read_secret_file, write_secret_file
+from llmgw.pki import peer_node_id
+from llmgw.server.gateway.errors import error_response
+from llmgw.webguard import Guard, bearer_token, guard_for, machine_names
+
+if TYPE_CHECKING:
+    from llmgw.config.server import ServerConfig
+    from llmgw.store import Store
+
+log = logging.getLogger("llmgw.server.admin")
+
+TOKEN_FILE = "admin-token"
+# Probes a load balancer or systemd may call without a credential; everything else needs one.
+OPEN_PATHS = frozenset({"/health", "/ready"})
+
+
+class AccessError(Exception):
+    """The admin credential could not be set up; the message says what to change."""
+
+
+def token_file(config: "ServerConfig") -> Path:
+    return Path(config.data_path) / TOKEN_FILE
+
+
+async def ensure_first_token(store: "Store", config: "ServerConfig") -> Path:
+    """Make the data directory and, at the first start, the first admin token in it.
+
+    A token file that exists is left alone, even if its token was revoked: revoking it
+    was someone's decision. Delete the file and restart to get a new one.
+    """
+    path = token_file(config)
+    try:
+        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AccessError(f"data_dir {path.parent}: cannot be created ({exc.strerror}); create it, owned by the "
+                          "user llmgw runs as, or set data_dir in server.yaml") from None
+    if path.exists():
+        try:
+            read_secret_file(path)
+        except SecretFileError as exc:
+            log.warning("admin token file: %s", exc)
+        return path
+    secret, rec = await store.create_admin_token(f"first token ({path})")
+    try:
+        write_secret_file(path, secret)
+    except OSError as exc:
+        await store.revoke_admin_token(rec.id)
+        raise AccessError(f"{path}: cannot be written ({exc.strerror}); make data_dir writable by the user llmgw "
+                          "runs as") from None
+    log.info("made the first admin token (%s, %s) in %s; llmgw ctl on this machine reads it from there",
+             rec.id, rec.prefix, path)
+    return path
+
+
+class AdminAccess:
+    """The admin listener's guard: browser refusals, then a token or a listed client certificate."""
+
+    def __init__(self, store: "Store", config: "ServerConfig") -> None:
+        self.store = store
+        self.tls_clients = frozenset(config.admin_tls.clients) if config.admin_tls is not None else frozenset()
+        names = machine_names(config.admin_listen.host, *config.admin_hosts)
+        how = (f"the admin API needs a credential: send 'Authorization: Bearer <admin token>'. On the control plane "
+               f"`llmgw ctl` reads {token_file(config)} by itself (as root or the server's user); "
+               "`llmgw ctl token create NAME` makes another; pass one with --token-file or LLMGW_ADMIN_TOKEN")
+        if self.tls_clients:
+            how += f", or present a client certificate issued to {' or '.join(sorted(self.tls_clients))}"
+        self.guard: Guard = guard_for(names, self.authenticate, how, _error, OPEN_PATHS)
+
+    async def authenticate(self, request: web.Request) -> str | None:
+        if self.tls_clients and request.transport is not None:
+            name = peer_node_id(request.transport.get_extra_info("ssl_object"))
+            if name is not None and name in self.tls_clients:
+                return f"certificate {name}"
+        token = bearer_token(request)
+        if token is None:
+            return None
+        tok = await self.store.admin_token_by_secret(token)
+        return None if tok is None else f"token {tok.id}"
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    resp = error_response(status, message, code)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="llmgw admin"'
+    return resp
+

@@ -1,0 +1,253 @@
+"""Every route of every listener of `llmgw server`, with the guard that stands in front of it.
+
+The table below is the list: a route added without being listed here fails the
+first test, so nothing can be added open by accident. The other tests then
+check each guard by calling every route it covers.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import httpx
+import pytest
+
+from llmgw.config.server import parse_server_config
+from llmgw.files import write_secret_file
+from llmgw.server.app import Server
+from llmgw.testing.admin import admin_headers
+
+ADMIN = "admin credential"           # admin token or listed client certificate; browser refusals first
+PROBE = "open probe"                 # answers without a credential; tells nothing but up/ready
+API_KEY = "API key"                  # Authorization: Bearer <key>
+CLAIM = "claim token in the URL"     # the link's own random token is the credential
+AGENT = "agent mutual TLS"           # the fleet's client certificate, naming the node (agent_tls)
+NETWORK = "network (metrics only)"   # Prometheus' listener: read-only numbers; firewall it
+
+GUARDS: dict[tuple[str, str, str], str] = {
+    ("listen", "POST", "/v1/chat/completions"): API_KEY,
+    ("listen", "POST", "/v1/completions"): API_KEY,
+    ("listen", "POST", "/v1/embeddings"): API_KEY,
+    ("listen", "GET", "/v1/models"): API_KEY,
+    ("listen", "GET", "/v1/models/{model}"): API_KEY,
+    ("listen", "GET", "/claim/{token}"): CLAIM,
+    ("listen", "POST", "/claim/{token}"): CLAIM,
+    ("listen", "GET", "/health"): PROBE,
+    ("listen", "GET", "/ready"): PROBE,
+    ("admin_listen", "GET", "/health"): PROBE,
+    ("admin_listen", "GET", "/ready"): PROBE,
+    ("admin_listen", "GET", "/metrics"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/endpoints"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/status"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/nodes"): ADMIN,
+    ("admin_listen", "DELETE", "/api/v1/nodes/{node}"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/nodes/{node}/logs"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/nodes/{node}/cordon"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/nodes/{node}/uncordon"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/nodes/{node}/drain"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/replicas"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/mirror"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/mirror/fetch"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/mirror/{model}/{version}"): ADMIN,
+    ("admin_listen", "DELETE", "/api/v1/mirror/{model}/{version}"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/mirror/{model}/{version}/serve"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/models"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/models"): ADMIN,
+    ("admin_listen", "DELETE", "/api/v1/models/{name}"): ADMIN,
+    ("admin_listen", "PUT", "/api/v1/models/{name}/scale"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/models/{name}/placement"): ADMIN,
+    ("metrics_listen", "GET", "/metrics"): NETWORK,
+    ("agent_listen", "GET", "/v1/agent/stream"): AGENT,
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def server(tmp_path):
+    mirror_token = tmp_path / "mirror.token"
+    write_secret_file(mirror_token, "mirror-secret")
+    cfg = parse_server_config({
+        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": f"127.0.0.1:{_port()}", "agent_listen": f"127.0.0.1:{_port()}", "agent_tls": None,
+        "control": {"enabled": True}, "auth": {"store": str(tmp_path / "gw.db")},
+        "mirror": {"api": f"http://127.0.0.1:{_port()}", "token_file": str(mirror_token)},
+        "models": [{"name": "m", "endpoints": [{"url": "http://127.0.0.1:9", "engine": "openai"}]}],
+    })
+    s = Server(cfg)
+    await s.start()
+    yield s
+    await s.stop()
+
+
+def _routes(server: Server) -> set[tuple[str, str, str]]:
+    out = set()
+    for listener, app in server.apps.items():
+        for route in app.router.routes():
+            if route.method == "HEAD":
+                continue  # aiohttp adds one beside every GET; it runs the GET's handler and guard
+            out.add((listener, route.method, route.resource.canonical))
+    return out
+
+
+def _concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "x", path)
+
+
+def _base(server: Server, listener: str) -> str:
+    addr = getattr(server.config, listener)
+    return f"http://127.0.0.1:{addr.port}"
+
+
+async def test_every_route_of_every_listener_is_listed_with_its_guard(server):
+    routes = _routes(server)
+    unlisted = sorted(routes - GUARDS.keys())
+    assert not unlisted, f"routes without a guard in this test's table (add them, with their guard): {unlisted}"
+    gone = sorted(GUARDS.keys() - routes)
+    assert not gone, f"listed routes that no longer exist (remove them from the table): {gone}"
+
+
+async def test_every_admin_route_answers_401_without_a_credential(server):
+    async with httpx.AsyncClient() as http:
+        for (listener, method, path), guard in GUARDS.items():
+            if guard != ADMIN:
+                continue
+            r = await http.request(method, _base(server, listener) + _concrete(path), json={})
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+            body = r.json()["error"]
+            assert body["code"] == "admin_credential_required"
+            assert "llmgw ctl token create" in body["message"] and str(server.admin_token_file) in body["message"]
+            assert r.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+async def test_admin_routes_refuse_what_only_a_browser_or_a_rebinding_page_sends(server):
+    auth = admin_headers(server)
+    base = _base(server, "admin_listen")
+    async with httpx.AsyncClient() as http:
+        for (listener, method, path), guard in GUARDS.items():
+            if listener != "admin_listen":
+                continue
+            url = base + _concrete(path)
+            r = await http.request(method, url, headers={**auth, "Origin": "https://evil.example"}, json={})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (method, path)
+            r = await http.request(method, url, headers={**auth, "Host": f"evil.example:{server.config.admin_listen.port}"})
+            assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed", (method, path)
+            if method in ("POST", "PUT"):
+                r = await http.request(method, url, headers={**auth, "Content-Type": "text/plain"}, content=b"{}")
+                assert r.status_code == 415, (method, path, r.status_code)
+
+
+async def test_a_cross_origin_text_plain_post_changes_nothing(server):
+    """The attack that was found: a page posts a model whose profile carries LD_PRELOAD."""
+    base = _base(server, "admin_listen")
+    body = (b'{"model": {"name": "evil", "source": "/x.gguf", "profiles": [{"engine": "llamacpp", '
+            b'"env": {"LD_PRELOAD": "/tmp/x.so"}}]}, "source_check": false}')
+    async with httpx.AsyncClient() as http:
+        # Without the token, as a page would send it (it cannot read the token file).
+        r = await http.post(base + "/api/v1/models", content=body,
+                            headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})
+        assert r.status_code in (401, 403, 415)
+        # Even a page that somehow had the token is refused for its origin and content type.
+        r = await http.post(base + "/api/v1/models", content=body,
+                            headers={**admin_headers(server), "Content-Type": "text/plain",
+                                     "Origin": "http://evil.example"})
+        assert r.status_code == 403
+    assert server.catalog.get("evil") is None
+
+
+async def test_a_same_origin_or_originless_request_with_the_token_is_served(server):
+    base = _base(server, "admin_listen")
+    async with httpx.AsyncClient(headers=admin_headers(server)) as http:
+        assert (await http.get(base + "/api/v1/status")).status_code == 200
+        own = f"http://127.0.0.1:{server.config.admin_listen.port}"
+        assert (await http.get(base + "/api/v1/status", headers={"Origin": own})).status_code == 200
+        assert (await http.get(base + "/api/v1/status", headers={"Host": f"localhost:{server.config.admin_listen.port}"})
+                ).status_code == 200
+
+
+async def test_a_revoked_or_foreign_token_is_refused_and_an_api_key_never_opens_the_admin_api(server):
+    base = _base(server, "admin_listen")
+    secret, rec = await server.store.create_admin_token("ops")
+    api_key, _ = await server.store.create_key("client")
+    async with httpx.AsyncClient() as http:
+        ok = await http.get(base + "/api/v1/status", headers={"Authorization": f"Bearer {secret}"})
+        assert ok.status_code == 200
+        await server.store.revoke_admin_token(rec.id)
+        r = await http.get(base + "/api/v1/status", headers={"Authorization": f"Bearer {secret}"})
+        assert r.status_code == 401
+        r = await http.get(base + "/api/v1/status", headers={"Authorization": f"Bearer {api_key}"})
+        assert r.status_code == 401
+        r = await http.get(base + "/api/v1/status", headers={"Authorization": "Bearer llmgw-admin-\u00e9t\u00e9".encode("latin-1")})
+        assert r.status_code == 401
+
+
+async def test_client_api_routes_need_an_api_key(server):
+    async with httpx.AsyncClient() as http:
+        for (listener, method, path), guard in GUARDS.items():
+            if guard != API_KEY:
+                continue
+            r = await http.request(method, _base(server, listener) + _concrete(path), json={"model": "m"})
+            assert r.status_code == 401, (method, path, r.status_code)
+
+
+async def test_open_probes_answer_without_a_credential(server):
+    async with httpx.AsyncClient() as http:
+        for (listener, method, path), guard in GUARDS.items():
+            if guard in (PROBE, NETWORK):
+                r = await http.request(method, _base(server, listener) + path)
+                assert r.status_code in (200, 503), (listener, path, r.status_code)
+
+
+async def test_the_first_admin_token_file_is_owner_only_and_survives_a_restart(server, tmp_path):
+    path = server.admin_token_file
+    assert path == tmp_path / "admin-token"
+    assert path.stat().st_mode & 0o777 == 0o600
+    first = path.read_text()
+    again = Server(server.config)
+    # A second start (same data_dir, same store) keeps the token it finds.
+    from llmgw.server.admin.access import ensure_first_token
+    assert await ensure_first_token(server.store, again.config) == path
+    assert path.read_text() == first
+    assert [t.name for t in await server.store.list_admin_tokens()] == [f"first token ({path})"]
+
+
+async def test_on_a_tls_admin_listener_a_listed_client_certificate_is_a_credential_and_a_nodes_is_not(tmp_path):
+    import ssl
+
+    from llmgw.pki import init_ca, issue_client, issue_server
+
+    pki = tmp_path / "pki"
+    ca = init_ca(pki)
+    srv = issue_server(pki, pki, ["127.0.0.1", "localhost"])
+    admin = issue_client(pki, pki, "admin")
+    node = issue_client(pki, pki, "node-a")
+    cfg = parse_server_config({
+        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "admin_tls": {"ca": str(ca.cert), "cert": str(srv.cert), "key": str(srv.key)},
+        "auth": {"store": str(tmp_path / "gw.db")},
+    })
+    s = Server(cfg)
+    await s.start()
+    url = f"https://127.0.0.1:{cfg.admin_listen.port}/api/v1/status"
+
+    def ctx(client=None) -> ssl.SSLContext:
+        c = ssl.create_default_context(cafile=str(ca.cert))
+        if client is not None:
+            c.load_cert_chain(str(client.cert), str(client.key))
+        return c
+
+    try:
+        async with httpx.AsyncClient(verify=ctx(admin)) as http:
+            assert (await http.get(url)).status_code == 200
+        async with httpx.AsyncClient(verify=ctx(node)) as http:
+            r = await http.get(url)
+            assert r.status_code == 401 and "issued to admin" in r.json()["error"]["message"]
+        async with httpx.AsyncClient(verify=ctx(), headers=admin_headers(s)) as http:
+            assert (await http.get(url)).status_code == 200  # a token works over TLS too
+    finally:
+        await s.stop()
