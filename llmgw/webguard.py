@@ -38,9 +38,9 @@ def machine_names(*extra: str | None) -> frozenset[str]:
     for n in (socket.gethostname(), socket.getfqdn()):
         if n:
             names.add(n.lower())
-    for n in extra:
-        if n:
-            names.add(n.lower().strip("[]"))
+    for e in extra:
+        if e:
+            names.add(e.lower().strip("[]"))
     return frozenset(names)
 
 

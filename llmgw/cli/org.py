@@ -50,9 +50,28 @@ def tree_(
     people: bool = typer.Option(False, "--people", help="Show who is a member where."),
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON: organizations with their teams and projects."),
 ) -> None:
     """Show the tree with ids."""
     tree = with_store(store, config, lambda s: s.tree(people=people))
+    if as_json:
+        import json
+
+        def members(scope: str, sid: str) -> dict:
+            if not people:
+                return {}
+            return {"members": [{"user": m.user_id, "email": tree.users[m.user_id].email if m.user_id in tree.users
+                                 else None, "role": m.role}
+                                for m in tree.memberships if m.scope == scope and m.scope_id == sid]}
+
+        typer.echo(json.dumps([{
+            "id": o.id, "name": o.name, **members("org", o.id),
+            "teams": [{"id": t.id, "name": t.name, **members("team", t.id),
+                       "projects": [{"id": p.id, "name": p.name, "path": p.path, **members("project", p.id)}
+                                    for p in tree.projects.values() if p.team_id == t.id]}
+                      for t in tree.teams.values() if t.org_id == o.id],
+        } for o in tree.orgs.values()], indent=2))
+        return
     if not tree.orgs:
         err.print("no organizations yet; start with `llmgw org add org NAME`")
         return

@@ -228,15 +228,15 @@ class Server:
             self.endpoints.remove(self._static.pop(key))
         for (name, url), e in wanted.items():
             try:
-                key = _endpoint_key(name, e)
+                engine_key = _endpoint_key(name, e)
             except StartError as exc:
                 # The rest of the catalog still serves; this engine would refuse every request.
                 log.error("%s; it is not served until the file can be read and the catalog changes", exc)
                 continue
             if (name, url) in self._static:
-                self._static[(name, url)].api_key = key  # a key file rewritten since is taken up
+                self._static[(name, url)].api_key = engine_key  # a key file rewritten since is taken up
             else:
-                ep = Endpoint(name, url, e.engine, e.model, b.failures, b.cooldown, api_key=key)
+                ep = Endpoint(name, url, e.engine, e.model, b.failures, b.cooldown, api_key=engine_key)
                 self._static[(name, url)] = ep
                 self.endpoints.add(ep)
         if self.reconciler is not None:

@@ -52,7 +52,9 @@ class AdminTokensMixin:
 
     async def create_admin_token(self, name: str) -> tuple[str, AdminToken]:
         """A new token; returns (secret, record). The secret is kept nowhere."""
-        name = check_key_text("name", name, required=True)
+        checked = check_key_text("name", name, required=True)
+        assert checked is not None  # required: refused above when missing
+        name = checked
         secret = new_token(TOKEN_PREFIX)
         rec = AdminToken(id="adm-" + secrets.token_hex(6), name=name, prefix=secret[:TOKEN_PREFIX_LEN],
                          created_at=utcnow())

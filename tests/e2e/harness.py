@@ -6,7 +6,6 @@ import hashlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -18,13 +17,9 @@ import httpx
 import pytest
 import yaml
 
+from llmgw.testing.ports import free_port  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require(what: str, reason: str) -> None:

@@ -4,7 +4,6 @@ queue, not piled into the engine's: the gateway counts its own requests in fligh
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 
@@ -13,12 +12,8 @@ from llmgw.server.app import Server
 from llmgw.server.gateway.admission import pool_saturation
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.testing.fake_engine import FakeEngine
+from llmgw.testing.ports import free_port as _port
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fresh_metrics_showing_an_idle_engine_do_not_hide_the_gateways_own_burst():

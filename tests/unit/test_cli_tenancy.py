@@ -112,6 +112,9 @@ def test_users_and_keys_in_the_tree(db):
     out = ok(db, "users", "list").stdout
     assert "ann@example.com" in out and "Acme/platform" in out and "on their own" in out  # bob
     import json
+    orgs = json.loads(ok(db, "org", "tree", "--json", "--people").stdout)
+    (acme,) = [o for o in orgs if o["name"] == "Acme"]
+    assert any(p["path"] == "Acme/platform/gateway" for t in acme["teams"] for p in t["projects"])
     keys = json.loads(ok(db, "keys", "list", "--json").stdout)
     assert {k["project"] for k in keys} >= {"Acme/platform/gateway"} and all(secret not in str(k) for k in keys)
     people = {p["email"]: p for p in json.loads(ok(db, "users", "list", "--json").stdout)}

@@ -4,7 +4,6 @@ address, a node's name or a mirror's URL (operators find those in the log and in
 from __future__ import annotations
 
 import logging
-import socket
 
 import httpx
 import pytest
@@ -12,12 +11,8 @@ import pytest
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
 from llmgw.testing.fake_engine import FakeEngine
+from llmgw.testing.ports import free_port as _port
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ check each guard by calling every route it covers.
 from __future__ import annotations
 
 import re
-import socket
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from llmgw.config.server import parse_server_config
 from llmgw.files import write_secret_file
 from llmgw.server.app import Server
 from llmgw.testing.admin import admin_headers
+from llmgw.testing.ports import free_port as _port
 
 ADMIN = "admin credential"           # admin token or listed client certificate; browser refusals first
 PROBE = "open probe"                 # answers without a credential; tells nothing but up/ready
@@ -61,11 +61,6 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("agent_listen", "GET", "/v1/agent/stream"): AGENT,
 }
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

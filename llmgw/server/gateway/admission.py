@@ -80,14 +80,17 @@ def pool_saturation(endpoints: EndpointSet, model: str, healthy_waiting: float, 
         the worst one: the router sends new work to the least loaded
         endpoint, so one hot replica does not make the pool full).
 
-    An endpoint's queue is the larger of what its engine last reported waiting
-    and this gateway's own count: its requests in flight there beyond the most
-    the engine was ever seen running at once (the rest must be waiting inside
-    it). Scrapes come every second; the gateway's count moves with every
-    request, so a burst that arrives between two scrapes is held here, in the
-    gateway's queue with its bands and fairness, rather than piling up in the
-    engine's. Scraped numbers are used while fresh (``router.metrics_stale_after``);
-    when they are stale only the gateway's count is left, and KV use is left out.
+    An endpoint's queue counts the gateway's own requests too, not only what
+    its engine last reported waiting: scrapes come every second, the gateway's
+    count moves with every request, so a burst that arrives between two scrapes
+    is held here, in the gateway's queue with its bands and fairness, rather
+    than piling up in the engine's. For an engine ever seen queueing (it has a
+    fixed number of slots: the most it was seen running), every request in
+    flight beyond those slots waits. For one never seen queueing (a fast
+    engine, whose requests in flight are mostly on the wire), only what was
+    sent since the last scrape beyond its free slots does. Scraped numbers are used while fresh
+    (``router.metrics_stale_after``); when they are stale, the requests in
+    flight beyond the engine's slots are taken to wait, and KV use is left out.
     An engine that publishes nothing at all (``openai``) is left out of both
     ratios: admission cannot know its capacity and does not hold traffic on a
     guess. Unavailable endpoints (unhealthy, breaker open) are left out; a
@@ -104,11 +107,22 @@ def pool_saturation(endpoints: EndpointSet, model: str, healthy_waiting: float, 
         if not ep.available(now) or not _measured(ep):
             continue
         counted += 1
-        own = ep.inflight - max(ep.slots_seen, ep.running or 0.0)
+        running = ep.running or 0.0
+        beyond_slots = ep.inflight - max(ep.slots_seen, running)
         if ep.metrics_stale(now, stale_after) or ep.waiting is None:
-            waiting += max(0.0, own)
+            # Only the gateway's count: what it has there beyond what the engine can run.
+            waiting += max(0.0, beyond_slots)
+        elif ep.queues_seen:
+            # An engine seen queueing has a fixed number of slots: whatever the gateway has
+            # there beyond them waits, whether or not the last scrape saw it arrive.
+            waiting += max(0.0, ep.waiting, beyond_slots)
         else:
-            waiting += max(0.0, ep.waiting, own)
+            # Never seen queueing (a fast engine, or one not yet loaded): its requests in flight
+            # are mostly on the wire, so only what was sent since the scrape, beyond the slots
+            # it had free then, is taken to wait. A first burst is held by this.
+            free = max(0.0, ep.slots_seen - running)
+            sent_since = ep.inflight - ep.inflight_at_scrape
+            waiting += max(0.0, ep.waiting, ep.waiting + sent_since - free)
             if ep.kv_usage is not None:
                 kv_sum += ep.kv_usage
                 kv_n += 1

@@ -84,7 +84,7 @@ class Endpoint:
         "inflight", "waiting", "running", "kv_usage", "scraped_at",
         "healthy", "health_detail", "failures", "open_until", "cooldown", "trial_inflight",
         "_breaker_failures", "_breaker_cooldown", "prefixes",
-        "_api_key", "auth_headers", "post_headers", "alive_at", "slots_seen",
+        "_api_key", "auth_headers", "post_headers", "alive_at", "slots_seen", "inflight_at_scrape", "queues_seen",
     )
 
     def __init__(self, model: str, url: str, engine: str, upstream_model: str | None,
@@ -105,6 +105,12 @@ class Endpoint:
         # The most requests the engine was seen running at once: what it can run before
         # requests queue inside it (admission counts the gateway's own in-flight beyond it).
         self.slots_seen = 0.0
+        # The gateway's own in-flight count when the last scrape arrived: what it sent since
+        # is what the engine's numbers do not show yet.
+        self.inflight_at_scrape = 0
+        # Whether the engine was ever seen queueing: one that was has a fixed number of slots,
+        # and every request beyond them waits.
+        self.queues_seen = False
         self.healthy = False
         self.health_detail = "not checked yet"
         self.failures = 0
@@ -186,6 +192,9 @@ class Endpoint:
         self.running = _first(values, names.running)
         if self.running is not None and self.running > self.slots_seen:
             self.slots_seen = self.running
+        self.inflight_at_scrape = self.inflight
+        if self.waiting:
+            self.queues_seen = True
         kv = _first(values, names.kv_usage)
         # Some engines report percent, the rest a ratio; the router works in ratios.
         self.kv_usage = kv / 100.0 if kv is not None and kv > 1.0 else kv
