@@ -23,10 +23,11 @@ import typer
 from llmgw.cli.common import fail
 from llmgw.config.server import DEFAULT_CONFIG_PATH, DEFAULT_DATA_DIR
 from llmgw.files import SecretFileError, read_secret_file
+from llmgw.pki import DEFAULT_PKI_DIR
+from llmgw.server.admin.access import TOKEN_FILE as TOKEN_FILE_NAME
 
 DEFAULT_SERVER = "http://127.0.0.1:9090"
-TOKEN_FILE_NAME = "admin-token"  # as the server writes it (llmgw.server.admin.access)
-DEFAULT_CA = "/etc/llmgw/pki/ca.pem"
+DEFAULT_CA = str(Path(DEFAULT_PKI_DIR) / "ca.pem")
 
 ServerOpt = Annotated[Optional[str], typer.Option(
     "--server", "--admin", envvar="LLMGW_SERVER", show_envvar=False,

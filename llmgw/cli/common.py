@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -48,3 +50,8 @@ def print_table(columns: tuple[str, ...] | list[str], rows) -> None:
     for r in rows:
         table.add_row(*r)
     Console(highlight=False, width=200).print(table)
+
+
+def when(t: datetime | None) -> str:
+    """A timestamp in listings, to the minute; "-" for never."""
+    return f"{t:%Y-%m-%d %H:%M}" if t else "-"

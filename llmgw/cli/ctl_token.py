@@ -7,19 +7,13 @@ and it is how an operator who lost every token gets a new one.
 from __future__ import annotations
 
 import json
-from datetime import datetime
-
 import typer
 from llmgw.cli.admin_client import JsonOpt
-from llmgw.cli.common import err, print_table
+from llmgw.cli.common import err, print_table, when
 from llmgw.cli.keys import CONFIG_HELP, STORE_HELP, with_store
 
 app = typer.Typer(help="Admin tokens: the credential of the admin API (llmgw ctl and other admin clients).",
                   no_args_is_help=True)
-
-
-def _when(t: datetime | None) -> str:
-    return t.strftime("%Y-%m-%d %H:%M") if t else "-"
 
 
 @app.command("create")
@@ -56,8 +50,8 @@ def list_(
         err.print("no admin tokens" + ("" if all_ else " (revoked ones are listed with --all)"), highlight=False)
         return
     print_table(("ID", "NAME", "TOKEN", "STATE", "CREATED", "LAST USED"), [
-        (t.id, t.name, t.prefix + "…", "revoked" if t.revoked_at else "active", _when(t.created_at),
-         _when(t.last_used_at)) for t in tokens])
+        (t.id, t.name, t.prefix + "…", "revoked" if t.revoked_at else "active", when(t.created_at),
+         when(t.last_used_at)) for t in tokens])
 
 
 @app.command("revoke")

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import typer
 
-from llmgw.cli.common import err, fail, print_table, resolve_store
+from llmgw.cli.common import err, fail, print_table, resolve_store, when
 from llmgw.store import Ambiguous, IssuedKey, NotFound, NotMember, Store, StoreError
 from llmgw.store.tenancy import UNSET
 
@@ -121,10 +121,6 @@ def _project_shown(path: str | None, owner_email: str | None) -> str:
     return f"personal, {owner_email}" if owner_email else "-"
 
 
-def _when(dt: datetime | None) -> str:
-    return f"{dt:%Y-%m-%d %H:%M}" if dt else "-"
-
-
 @app.command("list")
 def list_(
     project: str = typer.Option(None, "--project", help="Only keys in this project (id, path or unique name)."),
@@ -155,7 +151,7 @@ def list_(
             where = "personal"
         else:
             where = k.project or "-"
-        rows.append((k.id, k.name, k.prefix + "…", where, owner, state, _when(k.last_used_at)))
+        rows.append((k.id, k.name, k.prefix + "…", where, owner, state, when(k.last_used_at)))
     if as_json:
         import json
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import httpx
 import pytest
-from harness import Gateway
+from harness import Gateway, wait_until
+
+from llmgw.protocol.prometheus import parse_prometheus
 from test_gateway_e2e import _usage_rows as _rows
 
 pytestmark = pytest.mark.e2e
@@ -18,9 +19,12 @@ TOKENS = 400  # a stream: the tiny model never stops early, so it runs to max_to
 CUT_AT = 396  # 99%
 
 
+def _gauge(engine_url: str, name: str) -> float:
+    return parse_prometheus(httpx.get(engine_url + "/metrics", timeout=10).text, {name})[name]
+
+
 def _predicted(engine_url: str) -> float:
-    text = httpx.get(engine_url + "/metrics", timeout=10).text
-    return float(re.search(r"^llamacpp:tokens_predicted_total (\S+)$", text, re.MULTILINE).group(1))
+    return _gauge(engine_url, "llamacpp:tokens_predicted_total")
 
 
 def test_50_streams_cut_at_99_percent_are_charged_what_llama_server_generated(engines, tmp_path):
@@ -36,12 +40,15 @@ def test_50_streams_cut_at_99_percent_are_charged_what_llama_server_generated(en
         limited = gw.keys("limits", "--scope", "key", "--id", key_id, "--tpm", str(cap), "--budget", "1000")
         assert limited.returncode == 0, limited.stderr
         auth = {"Authorization": f"Bearer {secret}"}
-        deadline = time.monotonic() + 5
-        while httpx.get(gw.url + "/v1/models", headers=auth).status_code != 200 or "x-ratelimit-limit-tokens" not in (
-                probe := httpx.post(gw.url + "/v1/chat/completions", headers=auth, timeout=30, json={
-                    "model": "tiny", "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})).headers:
-            assert time.monotonic() < deadline, "the limits were not loaded"
-            time.sleep(0.1)
+
+        def limited_probe() -> httpx.Response | None:
+            if httpx.get(gw.url + "/v1/models", headers=auth).status_code != 200:
+                return None
+            r = httpx.post(gw.url + "/v1/chat/completions", headers=auth, timeout=30, json={
+                "model": "tiny", "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1})
+            return r if "x-ratelimit-limit-tokens" in r.headers else None
+
+        probe = wait_until(limited_probe, 5, "the key's limits to be loaded", [gw])
         before = _predicted(engine.url)
         n_rows_before = len(_rows(gw.store))
 
@@ -64,11 +71,14 @@ def test_50_streams_cut_at_99_percent_are_charged_what_llama_server_generated(en
 
         received = asyncio.run(run())
         assert min(received) >= CUT_AT * 0.95, received  # a token may be two in one event (UTF-8)
-        deadline = time.monotonic() + 10
-        while len(rows := _rows(gw.store)) < n_rows_before + 50:
-            assert time.monotonic() < deadline, "usage rows were not written"
-            time.sleep(0.2)
-        time.sleep(0.5)  # the engine notices the dropped connections
+        def all_rows():
+            rows = _rows(gw.store)
+            return rows if len(rows) >= n_rows_before + 50 else None
+
+        rows = wait_until(all_rows, 10, "the usage rows of the 50 streams", [gw])
+        # The engine has noticed every dropped connection once it runs nothing: its count is final.
+        wait_until(lambda: _gauge(engine.url, "llamacpp:requests_processing") == 0, 10,
+                   "the engine to stop generating for the cut streams", [gw, engine])
         generated = _predicted(engine.url) - before
         streams = [r for r in rows if r.stream]
         assert len(streams) == 50

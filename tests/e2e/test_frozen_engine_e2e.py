@@ -13,24 +13,19 @@ import time
 import httpx
 import pytest
 
+from llmgw.protocol.prometheus import parse_prometheus
 from tests.e2e.harness import Gateway, free_port, wait_http
 
 pytestmark = pytest.mark.e2e
 
 FIRST_BYTE = 3.0
+BUSY = "llamacpp:requests_processing"
 
 
 def _engine(port: int, log) -> subprocess.Popen:
     # A slow-ish answer, so requests are still in flight on the engine when it is stopped.
     return subprocess.Popen([sys.executable, "-m", "llmgw.testing.fake_engine", "--port", str(port),
                              "--ttft-ms", "300", "--tokens", "4"], stdout=log, stderr=subprocess.STDOUT)
-
-
-def _gauge(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_requests_on_a_stopped_engine_are_answered_by_the_other_replica_within_the_first_byte_timeout(tmp_path):
@@ -65,7 +60,7 @@ def test_requests_on_a_stopped_engine_are_answered_by_the_other_replica_within_t
                 async with httpx.AsyncClient() as probe:
                     while True:
                         text = (await probe.get(f"http://127.0.0.1:{ports[0]}/metrics")).text
-                        if _gauge(text, "llamacpp:requests_processing") >= 1:
+                        if parse_prometheus(text, {BUSY}).get(BUSY, 0.0) >= 1:
                             break
                         assert time.monotonic() < deadline, "no request reached the first engine"
                         await asyncio.sleep(0.01)
