@@ -102,11 +102,14 @@ def test_two_agents_serve_adopt_scale_and_replace(llama_server_bin, tiny_model, 
             "profiles": [{"engine": "llamacpp", "args": ["--ctx-size", "256"], "startup_timeout": "120s"}]}
     gw = Gateway(tmp_path, models=[tiny], agent_listen=f"127.0.0.1:{agent_port}",
                  agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
-                 control={"enabled": True, "unreachable_after": "2s", "lost_after": "4s", "interval": "500ms",
+                 # unreachable_after is also the settle window before the first placement: long
+                 # enough for both agents (started with the server, and retrying until it listens)
+                 # to register on a loaded machine, or both replicas would go to the first one.
+                 control={"enabled": True, "unreachable_after": "5s", "lost_after": "8s", "interval": "500ms",
                           "base_backoff": "1s"},
                  engines={"llamacpp": TAG, "release_url": base})
-    gw.wait_up(ready=False)
     agents = {n: _agent(tmp_path, n, agent_port, pki) for n in ("node-a", "node-b")}
+    gw.wait_up(ready=False)
     fleet = Fleet(gw, [gw, *agents.values()])
     engine_pids: set[int] = set()
     restarted: Proc | None = None
