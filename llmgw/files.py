@@ -1,8 +1,9 @@
 """Writing files so that a reader never sees half of one, and secrets that only their owner reads.
 
 The one atomic write of the project: a temporary file beside the target, its
-mode set before any byte is written, fsynced, renamed over the target, and the
-directory fsynced so the rename survives a power cut.
+mode set before any byte is written, then :func:`replace_durably`, the one way
+a finished file (a download's ``.part`` too) takes its name: fsynced, renamed
+over the target, and the directory fsynced so the rename survives a power cut.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from llmgw.errors import LlmgwError
+
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
     p = Path(path)
@@ -24,13 +27,26 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -
         os.fchmod(fd, mode)  # before any byte is written, so a secret is never readable by others
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
+        replace_durably(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(p.parent)
+
+
+def replace_durably(tmp: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Give the finished file ``tmp`` the name ``target`` (same directory), replacing what was there.
+
+    Its bytes reach the disk before the rename and the rename before this
+    returns, so after a power cut ``target`` is the old file or the whole new
+    one, never a short one. Slow for a big file: call it off the event loop.
+    """
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    fsync_dir(Path(target).parent)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -60,7 +76,7 @@ def same_secret(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
 
 
-class SecretFileError(Exception):
+class SecretFileError(LlmgwError):
     """A secret file that cannot be read or is readable by others; the message says what to do."""
 
 
@@ -78,8 +94,10 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise SecretFileError(f"{p}: cannot be read: {exc}") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretFileError(f"{p}: others can read it (mode {stat.S_IMODE(st.st_mode):04o}); "
-                              f"run `chmod 600 {p}`, and make a new token if it may have been seen")
+        raise SecretFileError(
+            f"{p}: others can read it (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"run `chmod 600 {p}`, and make a new token if it may have been seen"
+        )
     token = text.strip()
     if not token or "\n" in token:
         raise SecretFileError(f"{p}: should hold one token on one line")

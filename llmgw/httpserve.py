@@ -47,8 +47,10 @@ ErrorBody = Callable[[int, str, str], bytes]
 # offending bytes in its message, so only its class (or llhttp's reason) is used.
 _FIXED: dict[str, tuple[str, str]] = {
     "Missing 'Host' header in request.": ("missing_host", "the request has no Host header"),
-    "Request has invalid `Transfer-Encoding`": ("bad_transfer_encoding",
-                                                "the request's Transfer-Encoding is not one this server reads"),
+    "Request has invalid `Transfer-Encoding`": (
+        "bad_transfer_encoding",
+        "the request's Transfer-Encoding is not one this server reads",
+    ),
     "Data after `Connection: close`": ("data_after_close", "the request sent data after `Connection: close`"),
     "Bad line ending, expected CRLF": ("bad_line_ending", "a line of the request does not end in CRLF"),
 }
@@ -77,7 +79,7 @@ def describe(exc: HttpProcessingError, max_headers: int) -> tuple[str, str]:
         return fixed
     if not sep and text.startswith("Duplicate '") and text.endswith("' header found."):
         # The name is one of the few headers that may appear once (Host, Content-Length...).
-        return "duplicate_header", f"the request repeats the {text[len('Duplicate '):-len(' found.')]}"
+        return "duplicate_header", f"the request repeats the {text[len('Duplicate ') : -len(' found.')]}"
     if sep and reason and len(reason) <= 60 and reason.replace(" ", "").replace("-", "").isalpha():
         if "header" in reason.lower():
             return "bad_header", f"a header is malformed or holds a byte HTTP does not allow ({reason.lower()})"
@@ -110,8 +112,9 @@ class _Protocol(RequestHandler):
             return
         super().log_exception(*args, **kw)
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         # `message` and the exception's own text hold the request's bytes; neither is used.
         if isinstance(exc, HttpProcessingError):
             code, text = describe(exc, self.max_headers)
@@ -123,9 +126,19 @@ class _Protocol(RequestHandler):
         elif isinstance(exc, web.RequestPayloadError):
             # The body broke off or would not decode (chunks, compression): the client's fault,
             # raised where a handler reads it. Its text may quote the body, so it is not used.
-            status, code, text = 400, "bad_body", "the request body could not be read (its chunks or compression are broken)"
-            log.info("refused a request from %s to %s %s: %s (%s)", request.remote, request.method, _route(request),
-                     text, code)
+            status, code, text = (
+                400,
+                "bad_body",
+                "the request body could not be read (its chunks or compression are broken)",
+            )
+            log.info(
+                "refused a request from %s to %s %s: %s (%s)",
+                request.remote,
+                request.method,
+                _route(request),
+                text,
+                code,
+            )
         elif status == 504:
             code, text = "timeout", "the server took too long to answer"
             log.warning("%s %s from %s: the handler timed out", request.method, _route(request), request.remote)
@@ -137,8 +150,12 @@ class _Protocol(RequestHandler):
         if request.writer.output_size > 0:
             # The response has begun: the connection cannot carry another (as aiohttp does).
             raise ConnectionError("the response has begun; the error cannot be sent")
-        resp = web.Response(status=status, body=self._error_body(status, text, code), content_type="application/json",
-                            headers={hdrs.SERVER: SERVER, hdrs.CONNECTION: "close"})
+        resp = web.Response(
+            status=status,
+            body=self._error_body(status, text, code),
+            content_type="application/json",
+            headers={hdrs.SERVER: SERVER, hdrs.CONNECTION: "close"},
+        )
         resp.force_close()
         return resp
 
@@ -149,8 +166,13 @@ class _Server(web.Server):
     def __init__(self, base: web.Server, error_body: ErrorBody) -> None:
         # The application built `base` with every setting aiohttp derives (debug, handler
         # arguments, access log); it has no parameter for the connection class.
-        super().__init__(base.request_handler, request_factory=base.request_factory,
-                         handler_cancellation=base.handler_cancellation, loop=base._loop, **base._kwargs)
+        super().__init__(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            loop=base._loop,
+            **base._kwargs,
+        )
         self.error_body = error_body
 
     def __call__(self) -> RequestHandler:

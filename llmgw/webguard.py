@@ -111,10 +111,14 @@ class Guard:
         """(status, message, code) when the request is refused before its credential is looked at."""
         host = request.headers.get("Host")
         if not self.host_allowed(host):
-            return (421 if host else 400,
-                    f"this API does not answer to the host name {host!r}; use this machine's address or name "
-                    f"({self.names_hint})" if host else "the request has no Host header",
-                    "host_not_allowed")
+            return (
+                421 if host else 400,
+                f"this API does not answer to the host name {host!r}; use this machine's address or name "
+                f"({self.names_hint})"
+                if host
+                else "the request has no Host header",
+                "host_not_allowed",
+            )
         origin = request.headers.get("Origin")
         if origin is not None:
             own = _host_of(host or "")
@@ -122,26 +126,38 @@ class Guard:
                 # Inside the try: urlsplit itself refuses some spellings ("http://[::1"), and a
                 # header no browser would send is still only a refusal, never a 500.
                 o = urlsplit(origin) if origin != "null" else None
-                same = (o is not None and o.hostname is not None and own is not None
-                        and o.hostname.lower() == own[0]
-                        and (o.port or _default_port(o.scheme)) == (own[1] or _default_port(request.scheme)))
+                same = (
+                    o is not None
+                    and o.hostname is not None
+                    and own is not None
+                    and o.hostname.lower() == own[0]
+                    and (o.port or _default_port(o.scheme)) == (own[1] or _default_port(request.scheme))
+                )
             except ValueError:
                 same = False
             if not same:
-                return (403, f"requests from web pages ({origin}) are refused here; use llmgw ctl or send no Origin",
-                        "cross_origin")
+                return (
+                    403,
+                    f"requests from web pages ({origin}) are refused here; use llmgw ctl or send no Origin",
+                    "cross_origin",
+                )
         if request.headers.get("Sec-Fetch-Site") == "cross-site":
             return 403, "requests from web pages on other sites are refused here", "cross_origin"
         if request.method in WRITE_METHODS:
             if request.content_type != "application/json":
-                return (415, f"a {request.method} here must send its body as application/json "
-                        f"(this one is {request.content_type or 'without a type'})", "unsupported_media_type")
+                return (
+                    415,
+                    f"a {request.method} here must send its body as application/json "
+                    f"(this one is {request.content_type or 'without a type'})",
+                    "unsupported_media_type",
+                )
         return None
 
     def middleware(self) -> Callable:
         @web.middleware
-        async def guard(request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        async def guard(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
             refused = self.refusal(request)
             if refused is not None:
                 return self.error(*refused)
@@ -151,6 +167,7 @@ class Guard:
                     return self.error(401, self.how_to, self.credential_code)
                 request[CALLER] = who
             return await handler(request)
+
         return guard
 
 
@@ -158,8 +175,13 @@ def _default_port(scheme: str) -> int:
     return 443 if scheme == "https" else 80
 
 
-def guard_for(names: Iterable[str], authenticate: Authenticate, how_to: str, error: ErrorFactory,
-              open_paths: Iterable[str] = (), **wording: str) -> Guard:
+def guard_for(
+    names: Iterable[str],
+    authenticate: Authenticate,
+    how_to: str,
+    error: ErrorFactory,
+    open_paths: Iterable[str] = (),
+    **wording: str,
+) -> Guard:
     """``wording``: names_hint and credential_code, for a listener other than the admin API."""
-    return Guard(frozenset(n.lower() for n in names), authenticate, how_to, error, frozenset(open_paths),
-                 **wording)
+    return Guard(frozenset(n.lower() for n in names), authenticate, how_to, error, frozenset(open_paths), **wording)

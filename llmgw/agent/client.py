@@ -17,17 +17,18 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from llmgw.config.agent import AgentConfig
+from llmgw.errors import LlmgwError
 from llmgw.pki import PKIError, client_context
+from llmgw.protocol import STREAM_PATH
 
 log = logging.getLogger("llmgw.agent.client")
 
-STREAM_PATH = "/v1/agent/stream"
 _HEALTHY_SESSION = 5.0  # seconds a session must last to reset the backoff
 
 Session = Callable[[aiohttp.ClientWebSocketResponse, str], Awaitable[None]]
 
 
-class LinkError(Exception):
+class LinkError(LlmgwError):
     """The agent cannot dial at all (bad TLS files); the message says what to fix."""
 
 
@@ -77,16 +78,20 @@ class ControlPlaneLink:
                 log.info("no control plane answered; trying again in %.1fs", delay)
                 try:
                     await asyncio.wait_for(stop.wait(), delay)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def _attempt(self, http: aiohttp.ClientSession, addr: str, stop: asyncio.Event) -> bool:
         """One connection; True when a session was established and lasted (whatever ended it)."""
         url = addr + STREAM_PATH
         try:
-            ws = await http.ws_connect(url, ssl=self._ssl if self._ssl is not None else True,
-                                       heartbeat=self._heartbeat, max_msg_size=64 << 20,
-                                       timeout=aiohttp.ClientWSTimeout(ws_close=5.0))
+            ws = await http.ws_connect(
+                url,
+                ssl=self._ssl if self._ssl is not None else True,
+                heartbeat=self._heartbeat,
+                max_msg_size=64 << 20,
+                timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+            )
         except aiohttp.WSServerHandshakeError as exc:
             # The control plane answered and refused: a standby, or a certificate that
             # names another node. Its words go to the operator as they are.
@@ -96,7 +101,7 @@ class ControlPlaneLink:
             self.last_error = f"{addr} refused the stream ({exc.status}): {reason}"
             log.warning("%s", self.last_error)
             return False
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self.last_error = f"{addr}: {type(exc).__name__}: {exc}"
             log.warning("cannot reach the control plane at %s", self.last_error)
             return False

@@ -26,13 +26,22 @@ from llmgw.agent.discovery.collect import Discovery, DiscoveryOptions
 from llmgw.agent.engines import LaunchRefused, UnknownEngine, adapter_for, metric_names, plan_shard
 from llmgw.agent.engines.spec import GPU as LaunchGPU
 from llmgw.agent.engines.spec import Adapter, EngineSettings, Group, NodeFacts, Profile, ShardLaunch
-from llmgw.agent.identity import Identity
+from llmgw.agent.identity import Identity, resolve_identity
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import ConvergeLoop, Installer, Want
-from llmgw.agent.provision.status import State as ProvisionState
-from llmgw.agent.supervisor import Role, ShardSpec, Sidecar, Supervisor, SupervisorError, UnknownShardError
+from llmgw.agent.provision.status import ProvisionStatus as InstallStatus
+from llmgw.agent.supervisor import (
+    Role,
+    ShardSpec,
+    Sidecar,
+    SupervisedShard,
+    Supervisor,
+    SupervisorError,
+    UnknownShardError,
+)
 from llmgw.agent.weights import WeightsCache, WeightsError
 from llmgw.config.agent import AgentConfig
+from llmgw.errors import LlmgwError
 from llmgw.protocol import (
     FEATURES,
     PROTOCOL_VERSION,
@@ -45,8 +54,9 @@ from llmgw.protocol import (
     LogsReply,
     LogsRequest,
     Message,
-    Provision,
     ProtocolError,
+    Provision,
+    ProvisionState,
     ProvisionStatus,
     Register,
     RemoveWeights,
@@ -78,14 +88,26 @@ def capture_agent_log() -> None:
     logging.getLogger("llmgw").addHandler(h)
 
 
+async def serve_until_stopped(cfg: AgentConfig, stop: asyncio.Event) -> None:
+    """`llmgw agent`: the agent of ``cfg`` until ``stop`` is set, its own log lines kept for logs requests."""
+    capture_agent_log()
+    await Agent(cfg, resolve_identity(cfg)).run(stop)
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig, identity: Identity, discovery: DiscoveryOptions | None = None) -> None:
         self.cfg = cfg
         self.identity = identity
-        self.discovery = Discovery(discovery or DiscoveryOptions(
-            model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]), nvidia_smi=cfg.discovery.nvidia_smi,
-            ib_root=Path(cfg.discovery.ib_root), prefer_nvml=cfg.discovery.prefer_nvml,
-            skip_gpus=cfg.discovery.skip_gpus))
+        self.discovery = Discovery(
+            discovery
+            or DiscoveryOptions(
+                model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]),
+                nvidia_smi=cfg.discovery.nvidia_smi,
+                ib_root=Path(cfg.discovery.ib_root),
+                prefer_nvml=cfg.discovery.prefer_nvml,
+                skip_gpus=cfg.discovery.skip_gpus,
+            )
+        )
         self.inventory: NodeInventory | None = None
         self.supervisor: Supervisor | None = None
         self.weights: WeightsCache | None = None
@@ -106,9 +128,14 @@ class Agent:
         for w in self.inventory.warnings or ():
             log.warning("discovery: %s", w)
         sv = cfg.supervisor
-        self.supervisor = Supervisor(Path(sv.work_dir), on_change=self._shard_changed, tail_lines=sv.log_lines,
-                                     stop_timeout=sv.stop_timeout, rendezvous_timeout=sv.rendezvous_timeout,
-                                     health_interval=sv.health_interval)
+        self.supervisor = Supervisor(
+            Path(sv.work_dir),
+            on_change=self._shard_changed,
+            tail_lines=sv.log_lines,
+            stop_timeout=sv.stop_timeout,
+            rendezvous_timeout=sv.rendezvous_timeout,
+            health_interval=sv.health_interval,
+        )
         report = await self.supervisor.adopt()
         for st in self.supervisor.statuses():
             spec = _spec_from_meta(st.meta)
@@ -117,9 +144,11 @@ class Agent:
         if report.adopted:
             log.info("adopted %d running engine(s): %s", len(report.adopted), ", ".join(report.adopted))
         self.weights = WeightsCache(Path(cfg.weights_cache))
-        self.installer = Installer(root=Path(cfg.engines_dir),
-                                   host=HostFacts.from_inventory(self.inventory.host, self.inventory.gpus or ()),
-                                   on_status=self._provision_changed)
+        self.installer = Installer(
+            root=Path(cfg.engines_dir),
+            host=HostFacts.from_inventory(self.inventory.host, self.inventory.gpus or ()),
+            on_status=self._provision_changed,
+        )
         self._converge = ConvergeLoop(self.installer)
         converge = asyncio.create_task(self._converge.run(), name="provision")
         link = ControlPlaneLink(cfg, self._session)
@@ -137,8 +166,9 @@ class Agent:
             await self.supervisor.close()
             await self.weights.aclose()
             await asyncio.to_thread(self.discovery.close)
-            log.info("agent stopped; engines left running: %d",
-                     sum(1 for s in self.supervisor.statuses() if s.state.running))
+            log.info(
+                "agent stopped; engines left running: %d", sum(1 for s in self.supervisor.statuses() if s.state.running)
+            )
 
     # -- the session --------------------------------------------------------
 
@@ -180,10 +210,16 @@ class Agent:
         inv = self.inventory
         assert inv is not None and self.supervisor is not None and self.installer is not None
         return Register(
-            node_id=self.identity.node_id, protocol_version=PROTOCOL_VERSION, agent_version=__version__,
-            features=list(FEATURES), inventory=inv, installable_engines=self.installer.installable(),
-            engine_versions=self._engine_versions(), labels=dict(self.cfg.labels),
-            mgmt_addr=self.identity.mgmt_addr, mgmt_interface=self.identity.mgmt_interface,
+            node_id=self.identity.node_id,
+            protocol_version=PROTOCOL_VERSION,
+            agent_version=__version__,
+            features=list(FEATURES),
+            inventory=inv,
+            installable_engines=self.installer.installable(),
+            engine_versions=self._engine_versions(),
+            labels=dict(self.cfg.labels),
+            mgmt_addr=self.identity.mgmt_addr,
+            mgmt_interface=self.identity.mgmt_interface,
             fabrics=[FabricAttachment(fabric=f.name, hcas=list(f.hcas)) for f in self.cfg.fabrics],
             shards=self._running_shards(),
             weights=self._weights_held(),
@@ -191,9 +227,16 @@ class Agent:
 
     def _running_shards(self) -> list[RunningShard]:
         assert self.supervisor is not None
-        out = [RunningShard(shard_id=s.shard_id, replica_id=(self._specs.get(s.shard_id) or _NO_SPEC).replica_id,
-                            state=ShardState(s.state.value), pid=s.pid, spec=self._specs.get(s.shard_id))
-               for s in self.supervisor.statuses()]
+        out = [
+            RunningShard(
+                shard_id=s.shard_id,
+                replica_id=(self._specs.get(s.shard_id) or _NO_SPEC).replica_id,
+                state=s.state,
+                pid=s.pid,
+                spec=self._specs.get(s.shard_id),
+            )
+            for s in self.supervisor.statuses()
+        ]
         # A shard still fetching its weights has no process yet but will start one:
         # left out, a control plane reconnecting mid-download would let it go and
         # the engine would later run unknown to anyone.
@@ -209,18 +252,25 @@ class Agent:
         pids = {s.shard_id: s.pid for s in self.supervisor.statuses() if s.pid}
         sample = await asyncio.to_thread(self.discovery.sample, pids)
         return Heartbeat(
-            node_id=self.identity.node_id, memory=sample.memory, load=sample.load, storage=sample.storage,
-            gpus=sample.gpus, ib_ports=sample.ib_ports,
+            node_id=self.identity.node_id,
+            memory=sample.memory,
+            load=sample.load,
+            storage=sample.storage,
+            gpus=sample.gpus,
+            ib_ports=sample.ib_ports,
             engine_versions=self._engine_versions(),
-            provision=[ProvisionStatus.model_validate(s.to_wire()) for s in self.installer.statuses.values()],
+            provision=[_provision_msg(s) for s in self.installer.statuses.values()],
             shards=[self._status_msg(s) for s in self.supervisor.statuses()],
             weights=self._weights_held(),
         )
 
     def _engine_versions(self) -> dict[str, str]:
         assert self.installer is not None
-        out = {name: s.version for name, s in self.installer.statuses.items()
-               if s.state == ProvisionState.READY and s.version}
+        out = {
+            name: s.version
+            for name, s in self.installer.statuses.items()
+            if s.state == ProvisionState.READY and s.version
+        }
         # A binary agent.yaml names is this node's engine, whatever the control plane
         # would install: reported so placement counts the node as having it.
         for engine in self.cfg.engines.configured():
@@ -252,10 +302,12 @@ class Agent:
             configured = self.cfg.engines.configured()
             for w in msg.engines:
                 if w.engine in configured:
-                    log.info("not installing %s %s: agent.yaml names %s for it", w.engine, w.version,
-                             configured[w.engine])
-            self._converge.want([Want(w.engine, w.version, w.source_url) for w in msg.engines
-                                 if w.engine not in configured])
+                    log.info(
+                        "not installing %s %s: agent.yaml names %s for it", w.engine, w.version, configured[w.engine]
+                    )
+            self._converge.want(
+                [Want(w.engine, w.version, w.source_url) for w in msg.engines if w.engine not in configured]
+            )
             self._ack(msg)
         elif isinstance(msg, LogsRequest):
             self.send(self._logs(msg))
@@ -279,8 +331,7 @@ class Agent:
     def _start(self, msg: StartShard) -> None:
         assert self.supervisor is not None
         current = self._status_or_none(msg.shard_id)
-        if msg.shard_id in self._starting or (current is not None and current.state not in
-                                              (ShardState.FAILED.value, ShardState.STOPPED.value)):
+        if msg.shard_id in self._starting or (current is not None and current.state.running):
             # The control plane retries; a repeat must not start a second process.
             self._ack(msg)
             return
@@ -308,8 +359,14 @@ class Agent:
                 now = time.monotonic()
                 if now - last >= 1.0 or (total is not None and done >= total):
                     last = now
-                    self.send(ShardStatus(shard_id=sid, replica_id=msg.replica_id, state=ShardState.PENDING,
-                                          fetch=FetchProgress(source=msg.source, bytes_done=done, bytes_total=total)))
+                    self.send(
+                        ShardStatus(
+                            shard_id=sid,
+                            replica_id=msg.replica_id,
+                            state=ShardState.PENDING,
+                            fetch=FetchProgress(source=msg.source, bytes_done=done, bytes_total=total),
+                        )
+                    )
 
             if msg.source:
                 model = await self.weights.resolve(msg.source, progress)
@@ -317,11 +374,17 @@ class Agent:
             for w in plan.warnings:
                 log.warning("shard %s: %s", sid, w)
             if not msg.api_key and plan.serves_http:
-                log.warning("shard %s: the control plane sent no key for its engine (it predates engine keys), so the "
-                            "engine answers anyone who reaches port %s; upgrade the control plane", sid, msg.http_port)
+                log.warning(
+                    "shard %s: the control plane sent no key for its engine (it predates engine keys), so the "
+                    "engine answers anyone who reaches port %s; upgrade the control plane",
+                    sid,
+                    msg.http_port,
+                )
             main = plan.main
             spec = ShardSpec(
-                shard_id=sid, argv=list(main.argv), env=dict(main.env),
+                shard_id=sid,
+                argv=list(main.argv),
+                env=dict(main.env),
                 role=Role.LEADER if plan.serves_http else Role.WORKER,
                 base_url=f"http://127.0.0.1:{plan.health.port}" if plan.health else None,
                 model=plan.health.model if plan.health else None,
@@ -341,7 +404,7 @@ class Agent:
             log.exception("starting shard %s failed unexpectedly", sid)
             self._failed(msg, f"internal error: {exc!r}")
 
-    def _status_or_none(self, sid: str):
+    def _status_or_none(self, sid: str) -> SupervisedShard | None:
         assert self.supervisor is not None
         try:
             return self.supervisor.status(sid)
@@ -352,37 +415,62 @@ class Agent:
         if msg.api_key:  # a validation error may quote the environment it was given
             reason = reason.replace(msg.api_key, "[hidden]")
         log.error("shard %s cannot start: %s", msg.shard_id, reason)
-        self.send(ShardStatus(shard_id=msg.shard_id, replica_id=msg.replica_id, state=ShardState.FAILED,
-                              reason=reason))
+        self.send(ShardStatus(shard_id=msg.shard_id, replica_id=msg.replica_id, state=ShardState.FAILED, reason=reason))
 
     def _engine_settings(self) -> EngineSettings:
         assert self.installer is not None
-        installed = {name: str(s.binary) for name, s in self.installer.statuses.items()
-                     if s.state == ProvisionState.READY and s.binary}
+        installed = {
+            name: str(s.binary)
+            for name, s in self.installer.statuses.items()
+            if s.state == ProvisionState.READY and s.binary
+        }
         return EngineSettings.from_config(self.cfg.engines, installed=installed)
 
     def _launch_spec(self, msg: StartShard, model: str) -> ShardLaunch:
         inv = self.inventory or NodeInventory()
         p = msg.profile
-        gpus = [LaunchGPU(index=g.index, name=g.name or f"GPU {g.index}", compute_capability=g.compute_capability)
-                for g in inv.gpus or ()]
+        gpus = [
+            LaunchGPU(index=g.index, name=g.name or f"GPU {g.index}", compute_capability=g.compute_capability)
+            for g in inv.gpus or ()
+        ]
         domains = {g.fabric.domain for g in inv.gpus or () if g.fabric is not None and g.fabric.domain}
         wanted = set(msg.hcas or ())
-        adapters = [Adapter(name=port.hca, port=port.port,
-                            link_layer="Ethernet" if port.is_roce else "InfiniBand", gid_index=port.gid_index)
-                    for port in inv.ib_ports if port.hca in wanted]
+        adapters = [
+            Adapter(
+                name=port.hca,
+                port=port.port,
+                link_layer="Ethernet" if port.is_roce else "InfiniBand",
+                gid_index=port.gid_index,
+            )
+            for port in inv.ib_ports
+            if port.hca in wanted
+        ]
         return ShardLaunch(
-            shard_id=msg.shard_id, engine=msg.engine, model=model, served_name=msg.model or msg.shard_id,
-            port=msg.http_port or 1, host=_engine_host(self.identity.mgmt_addr),
+            shard_id=msg.shard_id,
+            engine=msg.engine,
+            model=model,
+            served_name=msg.model or msg.shard_id,
+            port=msg.http_port or 1,
+            host=_engine_host(self.identity.mgmt_addr),
             profile=Profile(
-                tp=(p.tensor_parallel if p else None) or 1, nodes=msg.nnodes or 1, gpu_ids=list(msg.gpus or ()),
-                ctx_size=p.context_size if p else None, parallel=p.parallel if p else None,
-                dtype=p.dtype if p else None, quantization=p.quantization if p else None,
-                extra_args=list(p.args or ()) if p else [], env=dict(p.env or {}) if p else {}),
+                tp=(p.tensor_parallel if p else None) or 1,
+                nodes=msg.nnodes or 1,
+                gpu_ids=list(msg.gpus or ()),
+                ctx_size=p.context_size if p else None,
+                parallel=p.parallel if p else None,
+                dtype=p.dtype if p else None,
+                quantization=p.quantization if p else None,
+                extra_args=list(p.args or ()) if p else [],
+                env=dict(p.env or {}) if p else {},
+            ),
             group=Group(rank=msg.rank or 0, leader_addr=msg.leader_addr, leader_port=msg.leader_port),
-            node=NodeFacts(gpus=gpus, nvlink_domain=next(iter(domains)) if len(domains) == 1 else None,
-                           fabric_adapters=adapters, interface=self.identity.mgmt_interface,
-                           address=self.identity.mgmt_addr),
+            node=NodeFacts(
+                gpus=gpus,
+                nvlink_domain=next(iter(domains)) if len(domains) == 1 else None,
+                fabric_adapters=adapters,
+                interface=self.identity.mgmt_interface,
+                address=self.identity.mgmt_addr,
+            ),
             fabric=msg.fabric,
             api_key=msg.api_key,
         )
@@ -423,7 +511,7 @@ class Agent:
                     try:
                         async with http.get(url, headers=auth) as r:
                             text = await r.text()
-                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                    except (TimeoutError, aiohttp.ClientError):
                         break  # nothing answers: nothing to wait for
                     values = parse_prometheus(text, wanted)
                     if not values or sum(values.values()) == 0:
@@ -442,8 +530,12 @@ class Agent:
         if source == "agent":
             return LogsReply(id=msg.id, source=source, lines=list(_AGENT_LOG)[-n:], sources=sources)
         if source not in sources:
-            return LogsReply(id=msg.id, source=source, sources=sources,
-                             error=f"no log named {source}; this node has: {', '.join(sources)}")
+            return LogsReply(
+                id=msg.id,
+                source=source,
+                sources=sources,
+                error=f"no log named {source}; this node has: {', '.join(sources)}",
+            )
         return LogsReply(id=msg.id, source=source, lines=self.supervisor.tail(source, n), sources=sources)
 
     def _remove_weights(self, msg: RemoveWeights) -> None:
@@ -458,18 +550,27 @@ class Agent:
 
     # -- reports --------------------------------------------------------------
 
-    def _status_msg(self, st) -> ShardStatus:
+    def _status_msg(self, st: SupervisedShard) -> ShardStatus:
         spec = self._specs.get(st.shard_id)
-        return ShardStatus(shard_id=st.shard_id, replica_id=spec.replica_id if spec else None,
-                           state=ShardState(st.state.value), reason=st.detail or None,
-                           output_tail=list(st.tail) if st.tail else None, pid=st.pid)
+        return ShardStatus(
+            shard_id=st.shard_id,
+            replica_id=spec.replica_id if spec else None,
+            state=st.state,
+            reason=st.detail or None,
+            output_tail=list(st.tail) if st.tail else None,
+            pid=st.pid,
+        )
 
-    def _shard_changed(self, st) -> None:
+    def _shard_changed(self, st: SupervisedShard) -> None:
         self.send(self._status_msg(st))
 
-    def _provision_changed(self, status) -> None:
-        self.send(Heartbeat(node_id=self.identity.node_id,
-                            provision=[ProvisionStatus.model_validate(status.to_wire())]))
+    def _provision_changed(self, status: InstallStatus) -> None:
+        self.send(Heartbeat(node_id=self.identity.node_id, provision=[_provision_msg(status)]))
+
+
+def _provision_msg(status: InstallStatus) -> ProvisionStatus:
+    """The installer's record as the protocol carries it (the binary's path stays here)."""
+    return ProvisionStatus.model_validate(status.to_wire())
 
 
 def _engine_host(mgmt_addr: str | None) -> str:
@@ -484,7 +585,7 @@ def _engine_host(mgmt_addr: str | None) -> str:
     return "0.0.0.0"
 
 
-class _Refused(Exception):
+class _Refused(LlmgwError):
     pass
 
 

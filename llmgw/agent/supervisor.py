@@ -34,16 +34,19 @@ import signal
 import subprocess
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 import aiohttp
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmgw.errors import LlmgwError
 from llmgw.files import write_atomic
+from llmgw.protocol import ShardState
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -60,26 +63,13 @@ _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MAX_LINE = 8192  # longer lines are cut in the tail, never in the file
 
 
-class SupervisorError(Exception):
+class SupervisorError(LlmgwError):
     """A request the supervisor cannot carry out; the message is for a person."""
 
 
 class UnknownShardError(SupervisorError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "unknown shard"
-
-
-class ShardState(str, Enum):
-    PENDING = "pending"  # accepted; waiting (for the leader's port) before anything runs
-    STARTING = "starting"  # processes run; the engine's HTTP server does not answer yet
-    LOADING = "loading"  # it answers, but /health is not 200 or the model is not listed yet
-    READY = "ready"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-    @property
-    def running(self) -> bool:
-        return self not in (ShardState.FAILED, ShardState.STOPPED)
 
 
 class Role(str, Enum):
@@ -93,7 +83,9 @@ class Sidecar(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     argv: list[str] = Field(min_length=1)
-    env: dict[str, str] | None = Field(default=None, description="Set on the inherited environment; None: the shard's env.")
+    env: dict[str, str] | None = Field(
+        default=None, description="Set on the inherited environment; None: the shard's env."
+    )
 
     @field_validator("argv")
     @classmethod
@@ -114,25 +106,34 @@ class ShardSpec(BaseModel):
 
     shard_id: str
     argv: list[str] = Field(min_length=1)
-    env: dict[str, str] = Field(default_factory=dict, repr=False,  # may hold the engine's key
-                                description="Set on top of the inherited environment.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        repr=False,  # may hold the engine's key
+        description="Set on top of the inherited environment.",
+    )
     inherit_env: bool = Field(default=True, description="Start from the agent's environment (else from env alone).")
     cwd: str | None = None
     role: Role = Role.LEADER
     base_url: str | None = Field(default=None, description="Leader only: /health and /v1/models are asked under it.")
     model: str | None = Field(default=None, description="The id /v1/models must list; None accepts any.")
-    sidecars: list[Sidecar] = Field(default_factory=list, description="Started first, killed with the shard; a bare argv list is accepted.")
+    sidecars: list[Sidecar] = Field(
+        default_factory=list, description="Started first, killed with the shard; a bare argv list is accepted."
+    )
     wait_for: str | None = Field(
-        default=None, description="host:port that must accept connections before the engine starts (after the sidecars)."
+        default=None,
+        description="host:port that must accept connections before the engine starts (after the sidecars).",
     )
     wait_timeout: float | None = Field(default=None, gt=0, description="Default: the supervisor's rendezvous_timeout.")
     stop_timeout: float | None = Field(default=None, ge=0, description="Default: the supervisor's stop_timeout.")
-    meta: dict[str, Any] = Field(default_factory=dict, repr=False,
-                                 description="Opaque to the supervisor; kept with the record.")
+    meta: dict[str, Any] = Field(
+        default_factory=dict, repr=False, description="Opaque to the supervisor; kept with the record."
+    )
     api_key: str | None = Field(
-        default=None, repr=False,
+        default=None,
+        repr=False,
         description="The engine's key: sent on its readiness probes, and masked wherever the supervisor shows a "
-        "command line or the engine's output. Giving it to the engine is the argv's or env's job.")
+        "command line or the engine's output. Giving it to the engine is the argv's or env's job.",
+    )
 
     def __repr_args__(self) -> Iterable[tuple[str | None, Any]]:
         # An engine that takes its key only as a flag (SGLang) has it in argv.
@@ -144,7 +145,9 @@ class ShardSpec(BaseModel):
     def _check_id(cls, v: str) -> str:
         # The id names files under the state directory.
         if not _SHARD_ID_RE.match(v) or v in (".", ".."):
-            raise ValueError(f"shard id {v!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with a symbol")
+            raise ValueError(
+                f"shard id {v!r} must be 1-128 letters, digits, '.', '_' or '-', not starting with a symbol"
+            )
         return v
 
     @field_validator("argv")
@@ -187,7 +190,7 @@ class ShardSpec(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check_role(self) -> "ShardSpec":
+    def _check_role(self) -> ShardSpec:
         if self.role is Role.LEADER and not self.base_url:
             raise ValueError("a leader needs base_url: it is ready only when its /health and /v1/models answer")
         if self.role is Role.WORKER and self.base_url:
@@ -202,8 +205,12 @@ class ShardSpec(BaseModel):
         its restarted self without the engine being any different.
         """
         body = orjson.dumps(
-            {"argv": self.argv, "env": self.env, "cwd": self.cwd,
-             "sidecars": [{"argv": s.argv, "env": s.env} for s in self.sidecars]},
+            {
+                "argv": self.argv,
+                "env": self.env,
+                "cwd": self.cwd,
+                "sidecars": [{"argv": s.argv, "env": s.env} for s in self.sidecars],
+            },
             option=orjson.OPT_SORT_KEYS,
         )
         return hashlib.sha256(body).hexdigest()
@@ -245,7 +252,10 @@ def split_host_port(addr: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class ShardStatus:
+class SupervisedShard:
+    """A shard as the supervisor sees it at one moment; the agent builds the wire
+    ``ShardStatus`` and ``RunningShard`` from it."""
+
     shard_id: str
     state: ShardState
     detail: str  # words for a person: what is happening or what went wrong
@@ -437,8 +447,9 @@ class _Proc:
     ``exited`` resolves to words describing the end, once, for every waiter.
     """
 
-    def __init__(self, pid: int, start_time: int, argv: list[str], log_path: Path, label: str,
-                 popen: subprocess.Popen | None) -> None:
+    def __init__(
+        self, pid: int, start_time: int, argv: list[str], log_path: Path, label: str, popen: subprocess.Popen | None
+    ) -> None:
         self.pid = pid
         self.start_time = start_time
         self.argv = argv
@@ -523,8 +534,13 @@ class _Proc:
         return not self.running() and not group_members(self.pid)
 
     def record(self) -> dict[str, Any]:
-        return {"pid": self.pid, "start_time": self.start_time, "argv": self.argv, "log": self.log_path.name,
-                "label": self.label}
+        return {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "argv": self.argv,
+            "log": self.log_path.name,
+            "label": self.label,
+        }
 
 
 # ------------------------------------------------------------------ logs
@@ -550,7 +566,7 @@ class _LogFollower:
         self._partial = b""
         self._skip_partial = False  # the first line read is cut off; drop it
 
-    def start_at_end(self, keep_bytes: int = 0) -> "_LogFollower":
+    def start_at_end(self, keep_bytes: int = 0) -> _LogFollower:
         """Read only what comes next, or the last ``keep_bytes`` too (after adoption:
         the engine's recent output, which is in the file, not in any memory)."""
         try:
@@ -581,7 +597,7 @@ class _LogFollower:
     def _lines(self, data: bytes) -> list[str]:
         if self._skip_partial and data:
             nl = data.find(b"\n")
-            data = data[nl + 1:] if nl >= 0 else b""
+            data = data[nl + 1 :] if nl >= 0 else b""
             self._skip_partial = nl < 0
         data = self._partial + data
         raw_lines = data.split(b"\n")
@@ -651,7 +667,7 @@ class _Shard:
         return [*self.sidecars, *([self.engine] if self.engine else [])]
 
 
-OnChange = Callable[[ShardStatus], "Awaitable[None] | None"]
+OnChange = Callable[[SupervisedShard], "Awaitable[None] | None"]
 
 
 class Supervisor:
@@ -705,7 +721,7 @@ class Supervisor:
         self._shards: dict[str, _Shard] = {}
         self._boot_id = boot_id()
         self._session: aiohttp.ClientSession | None = None
-        self._events: asyncio.Queue[ShardStatus] | None = None
+        self._events: asyncio.Queue[SupervisedShard] | None = None
         self._dispatcher: asyncio.Task | None = None
         self._usage_prev: tuple[float, dict[str, int]] | None = None
         self._closed = False
@@ -713,7 +729,7 @@ class Supervisor:
 
     # ---------------------------------------------------------- public
 
-    async def start(self, spec: ShardSpec) -> ShardStatus:
+    async def start(self, spec: ShardSpec) -> SupervisedShard:
         """Start a shard; returns once its processes are spawned (or it waits for its leader).
 
         Starting a shard that already runs with the same fingerprint returns its
@@ -728,15 +744,14 @@ class Supervisor:
         if old is not None and old.state.running:
             if old.fingerprint == spec.fingerprint:
                 return self._status(old)
-            raise SupervisorError(
-                f"shard {spec.shard_id} already runs with a different command line; stop it first"
-            )
+            raise SupervisorError(f"shard {spec.shard_id} already runs with a different command line; stop it first")
         if old is not None:
             self._cancel_tasks(old)
         sh = _Shard(spec, self.tail_lines)
         self._shards[spec.shard_id] = sh
-        sh.followers.append(_LogFollower(self._engine_log(spec.shard_id), "", self.log_max_bytes,
-                                         sh.secrets).start_at_end())
+        sh.followers.append(
+            _LogFollower(self._engine_log(spec.shard_id), "", self.log_max_bytes, sh.secrets).start_at_end()
+        )
         self._note(sh, f"llmgw: starting shard {spec.shard_id}: {_quote(spec.argv, sh.secrets)}")
         self._emit(self._status(sh))
         sh.log_task = asyncio.create_task(self._follow_logs(sh))
@@ -747,7 +762,7 @@ class Supervisor:
         sh.run_task = asyncio.create_task(self._run(sh))
         return self._status(sh)
 
-    async def stop(self, shard_id: str, timeout: float | None = None) -> ShardStatus:
+    async def stop(self, shard_id: str, timeout: float | None = None) -> SupervisedShard:
         """SIGTERM to the shard's process groups, SIGKILL after the stop timeout."""
         sh = self._shards.get(shard_id)
         if sh is None:
@@ -845,13 +860,13 @@ class Supervisor:
         _reap_detached()
         return [v for _, v in victims]
 
-    def status(self, shard_id: str) -> ShardStatus:
+    def status(self, shard_id: str) -> SupervisedShard:
         sh = self._shards.get(shard_id)
         if sh is None:
             raise UnknownShardError(f"no shard {shard_id!r} on this node")
         return self._status(sh)
 
-    def statuses(self) -> list[ShardStatus]:
+    def statuses(self) -> list[SupervisedShard]:
         return [self._status(sh) for sh in self._shards.values()]
 
     def tail(self, shard_id: str, lines: int = 200) -> list[str]:
@@ -874,7 +889,12 @@ class Supervisor:
         if sh is not None and sh.state.running:
             raise SupervisorError(f"shard {shard_id} is still running; stop it first")
         self._shards.pop(shard_id, None)
-        for pattern in (f"{shard_id}.log", f"{shard_id}.log.1", f"{shard_id}.sidecar*.log", f"{shard_id}.sidecar*.log.1"):
+        for pattern in (
+            f"{shard_id}.log",
+            f"{shard_id}.log.1",
+            f"{shard_id}.sidecar*.log",
+            f"{shard_id}.sidecar*.log.1",
+        ):
             for p in self.logs_dir.glob(pattern):
                 p.unlink(missing_ok=True)
 
@@ -888,7 +908,7 @@ class Supervisor:
             if sh.state.running:
                 for p in sh.procs():
                     groups[p.pid] = sid
-        jiffies: dict[str, int] = {sid: 0 for sid in groups.values()}
+        jiffies: dict[str, int] = dict.fromkeys(groups.values(), 0)
         rss: dict[str, int] = dict.fromkeys(jiffies, 0)
         count: dict[str, int] = dict.fromkeys(jiffies, 0)
         for pid in _all_pids():
@@ -913,7 +933,7 @@ class Supervisor:
             out[sid] = ShardUsage(cpu_cores=cores, rss_bytes=rss[sid] * page, processes=count[sid])
         return out
 
-    async def wait(self, shard_id: str, *states: ShardState, timeout: float = 60.0) -> ShardStatus:
+    async def wait(self, shard_id: str, *states: ShardState, timeout: float = 60.0) -> SupervisedShard:
         """Wait until the shard is in one of ``states`` (or has finished); for callers and tests."""
         want = set(states) or {ShardState.READY}
         deadline = time.monotonic() + timeout
@@ -946,7 +966,7 @@ class Supervisor:
             await self._session.close()
         os.close(self._lock_fd)
 
-    async def __aenter__(self) -> "Supervisor":
+    async def __aenter__(self) -> Supervisor:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -978,8 +998,9 @@ class Supervisor:
             try:
                 p = self._spawn(sc.argv, env, spec.cwd, path, f"sidecar {i}")
             except OSError as exc:
-                return self._cannot_start(sh, f"could not start sidecar {i} ({exc.filename or sc.argv[0]}): "
-                                              f"{exc.strerror or exc}")
+                return self._cannot_start(
+                    sh, f"could not start sidecar {i} ({exc.filename or sc.argv[0]}): {exc.strerror or exc}"
+                )
             sh.sidecars.append(p)
             p.watch(self.poll_interval)
             p.exited.add_done_callback(lambda f, p=p, sh=sh: self._sidecar_ended(sh, p, f))
@@ -988,8 +1009,7 @@ class Supervisor:
     def _launch_engine(self, sh: _Shard) -> bool:
         spec = sh.spec
         try:
-            sh.engine = self._spawn(spec.argv, self._env(sh, spec.env), spec.cwd,
-                                    self._engine_log(spec.shard_id), "")
+            sh.engine = self._spawn(spec.argv, self._env(sh, spec.env), spec.cwd, self._engine_log(spec.shard_id), "")
         except OSError as exc:
             return self._cannot_start(sh, f"could not start {exc.filename or spec.argv[0]}: {exc.strerror or exc}")
         sh.engine.watch(self.poll_interval)
@@ -1087,7 +1107,7 @@ class Supervisor:
                 if r.status != 200:
                     return ShardState.LOADING, f"{base}/v1/models answered {r.status}"
                 body = await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return ShardState.STARTING, f"waiting for {base}/health to answer ({type(exc).__name__})"
         try:
             doc = orjson.loads(body)
@@ -1109,8 +1129,11 @@ class Supervisor:
 
     async def _stop(self, sh: _Shard, timeout: float | None) -> None:
         sh.stopping = True
-        limit = timeout if timeout is not None else (
-            sh.spec.stop_timeout if sh.spec.stop_timeout is not None else self.stop_timeout)
+        limit = (
+            timeout
+            if timeout is not None
+            else (sh.spec.stop_timeout if sh.spec.stop_timeout is not None else self.stop_timeout)
+        )
         if sh.engine is None and sh.run_task:  # still waiting for its leader
             sh.run_task.cancel()
         procs = sh.procs()
@@ -1209,8 +1232,9 @@ class Supervisor:
                 name = os.path.basename(str(sc.get("log") or f"{shard_id}.sidecar{i}.log"))
                 lp = self.logs_dir / name
                 sh.sidecars.append(_Proc(spid, sstart, sargv, lp, label, None))
-                sh.followers.append(_LogFollower(lp, f"[{label}] ", self.log_max_bytes, sh.secrets)
-                                    .start_at_end(16 << 10))
+                sh.followers.append(
+                    _LogFollower(lp, f"[{label}] ", self.log_max_bytes, sh.secrets).start_at_end(16 << 10)
+                )
         self._shards[shard_id] = sh
         self._note(sh, f"llmgw: adopted pid {pid} after an agent restart (output above is from the log file)")
         self._drain_logs(sh)
@@ -1274,7 +1298,9 @@ class Supervisor:
         """A line from the supervisor itself, appended to the engine's log file (where
         the follower picks it up for the tail), so the file tells the whole story."""
         try:
-            fd = os.open(self._engine_log(sh.spec.shard_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+            fd = os.open(
+                self._engine_log(sh.spec.shard_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640
+            )
             try:
                 os.write(fd, (line + "\n").encode())
             finally:
@@ -1291,11 +1317,11 @@ class Supervisor:
             log.info("shard %s: %s (%s)", sh.spec.shard_id, state.value, detail)
             self._emit(self._status(sh))
 
-    def _status(self, sh: _Shard) -> ShardStatus:
+    def _status(self, sh: _Shard) -> SupervisedShard:
         tail: tuple[str, ...] = ()
         if sh.state is ShardState.FAILED and self.failure_tail_lines:
-            tail = tuple(list(sh.tail)[-self.failure_tail_lines:])
-        return ShardStatus(
+            tail = tuple(list(sh.tail)[-self.failure_tail_lines :])
+        return SupervisedShard(
             shard_id=sh.spec.shard_id,
             state=sh.state,
             detail=sh.detail,
@@ -1308,7 +1334,7 @@ class Supervisor:
             meta=sh.spec.meta,
         )
 
-    def _emit(self, st: ShardStatus) -> None:
+    def _emit(self, st: SupervisedShard) -> None:
         if self.on_change is None or self._closed:
             return
         if self._events is None:
@@ -1383,15 +1409,13 @@ async def _wait_port(host: str, port: int, timeout: float) -> bool:
             return False
         try:
             _, w = await asyncio.wait_for(asyncio.open_connection(host, port), min(left, 5.0))
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             continue
         w.close()
         with contextlib.suppress(Exception):
             await w.wait_closed()
         return True
-
-
 
 
 # Flags whose value is a secret, masked even in a command line read from /proc (the sweep's).

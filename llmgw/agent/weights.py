@@ -26,16 +26,21 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 from urllib.parse import quote, urlsplit
 
 import aiohttp
 import orjson
+
+from llmgw import download
+from llmgw.download import PART_SUFFIX, Step
+from llmgw.errors import LlmgwError
+from llmgw.files import replace_durably, write_atomic
+from llmgw.paths import segment_problem
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,6 @@ Progress = Callable[[int, "int | None"], None]
 # Written inside a set's directory after its last file; until then the set is
 # unfinished and is never handed to an engine.
 COMPLETE_MARKER = ".complete"
-PART_SUFFIX = ".part"
 # Which source each cache entry came from, so `fetched()` can say so and the
 # control plane can compare sources rather than re-deriving names.
 SOURCES_INDEX = ".sources.json"
@@ -55,13 +59,11 @@ _HASH_LEN = 16
 _CACHE_NAME = re.compile(rf"^[0-9a-f]{{{_HASH_LEN}}}-[A-Za-z0-9._-]+$")
 _READABLE_MAX = 150  # keeps name + ".part" well under the 255-byte limit
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_CONTENT_RANGE = re.compile(r"^bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)$")
 
 MANIFEST_MAX_BYTES = 4 << 20  # a manifest is a few KB; a bigger answer is not one
-CHUNK = 1 << 20
 
 
-class WeightsError(Exception):
+class WeightsError(LlmgwError):
     """Weights could not be provided; the message says what and what to do."""
 
 
@@ -88,7 +90,7 @@ class _Discarded(WeightsError):
     """What arrived is wrong, not short: the .part is deleted, not resumed."""
 
 
-class _Transient(Exception):
+class _Transient(LlmgwError):
     """A failure worth another attempt (connection lost, 5xx, short body)."""
 
 
@@ -127,9 +129,9 @@ def classify(source: str) -> SourceKind:
 
 def _hf_parts(source: str) -> tuple[str, str]:
     """``hf:ORG/REPO/FILE`` as (``ORG/REPO``, ``FILE``)."""
-    rest = source[len("hf:"):]
+    rest = source[len("hf:") :]
     segments = rest.split("/")
-    if len(segments) < 3 or any(seg in ("", ".", "..") for seg in segments) or "\\" in rest:
+    if len(segments) < 3 or any(segment_problem(seg) for seg in segments):
         how = "a set of files comes from the mirror (a URL ending in /)" if rest.endswith("/") else "name one file"
         raise WeightsError(
             f"the model source {source!r} is not hf:ORG/REPO/FILE "
@@ -153,7 +155,7 @@ def cache_name(source: str) -> str:
         raise WeightsError(f"{source!r} is not a URL, so it is never fetched and has no cache name")
     digest = hashlib.sha256(source.encode()).hexdigest()[:_HASH_LEN]
     if source.startswith("hf:"):
-        host, path = "hf", source[len("hf:"):]
+        host, path = "hf", source[len("hf:") :]
     else:
         parts = urlsplit(source)
         host, path = parts.hostname or "", parts.path
@@ -170,7 +172,9 @@ def first_gguf(directory: Path) -> Path:
     which is part 1 of a split model (llama.cpp finds the others beside it)."""
     ggufs = sorted(p for p in Path(directory).iterdir() if p.name.endswith(".gguf") and p.is_file())
     if not ggufs:
-        raise WeightsError(f"{directory} holds no .gguf file; llama.cpp needs a GGUF model, vLLM or SGLang take this set")
+        raise WeightsError(
+            f"{directory} holds no .gguf file; llama.cpp needs a GGUF model, vLLM or SGLang take this set"
+        )
     return ggufs[0]
 
 
@@ -197,7 +201,7 @@ def _call(watch: Progress, done: int, total: int | None) -> None:
     # A broken progress consumer must not break a download others wait on.
     try:
         watch(done, total)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("a weights progress callback failed; the download goes on")
 
 
@@ -310,7 +314,11 @@ class WeightsCache:
             await asyncio.wait([flight.task])
         if flight is None:
             flight = _Flight()
-            job = self._fetch_set(source, target, flight) if kind is SourceKind.SET_URL else self._fetch_file(source, target, flight)
+            job = (
+                self._fetch_set(source, target, flight)
+                if kind is SourceKind.SET_URL
+                else self._fetch_file(source, target, flight)
+            )
             flight.task = asyncio.get_running_loop().create_task(job, name=f"weights {source}")
             self._flights[key] = flight
             flight.task.add_done_callback(lambda _t, k=key, f=flight: self._landed(k, f))
@@ -356,8 +364,11 @@ class WeightsCache:
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(st.st_mode) and not partial:
-                held.append(HeldWeights(base, entry, _dir_bytes(entry), sources.get(base), True,
-                                        (entry / COMPLETE_MARKER).is_file()))
+                held.append(
+                    HeldWeights(
+                        base, entry, _dir_bytes(entry), sources.get(base), True, (entry / COMPLETE_MARKER).is_file()
+                    )
+                )
             elif stat.S_ISREG(st.st_mode):
                 held.append(HeldWeights(base, entry, st.st_size, sources.get(base), False, not partial))
         return held
@@ -379,7 +390,9 @@ class WeightsCache:
         ``RemoveWeights.paths`` carries); a path anywhere else is refused."""
         p = Path(path)
         if not p.is_absolute() or os.path.realpath(p.parent) != os.path.realpath(self.root):
-            raise WeightsError(f"{path} is not in the weights cache {self.root}; only fetched weights are removed, nothing was")
+            raise WeightsError(
+                f"{path} is not in the weights cache {self.root}; only fetched weights are removed, nothing was"
+            )
         name = p.name[: -len(PART_SUFFIX)] if p.name.endswith(PART_SUFFIX) else p.name
         return self.remove_name(name)
 
@@ -449,10 +462,15 @@ class WeightsCache:
         except FileNotFoundError:
             return {}
         except (OSError, orjson.JSONDecodeError) as exc:
-            log.warning("the weights index %s is unreadable (%s); sources will show as unknown",
-                        self.root / SOURCES_INDEX, exc)
+            log.warning(
+                "the weights index %s is unreadable (%s); sources will show as unknown", self.root / SOURCES_INDEX, exc
+            )
             return {}
-        return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+        return (
+            {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+            if isinstance(data, dict)
+            else {}
+        )
 
     def _update_index(self, name: str, source: str | None) -> None:
         index = self._read_index()
@@ -460,17 +478,15 @@ class WeightsCache:
             index.pop(name, None)
         else:
             index[name] = source
-        tmp = self.root / (SOURCES_INDEX + ".tmp")
-        tmp.write_bytes(orjson.dumps(index, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-        os.replace(tmp, self.root / SOURCES_INDEX)
+        write_atomic(self.root / SOURCES_INDEX, orjson.dumps(index, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
 
     # ------------------------------------------------------------ one file
 
     async def _fetch_file(self, source: str, target: Path, flight: _Flight) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
-        part = target.with_name(target.name + PART_SUFFIX)
+        part = download.part_path(target)
         await self._download(self.url_for(source), part, None, flight.report)
-        os.replace(part, target)
+        await asyncio.to_thread(replace_durably, part, target)
         self._update_index(target.name, source)
         return target
 
@@ -480,7 +496,9 @@ class WeightsCache:
         files = await self._manifest(source)  # refused names stop us before anything is written
         self.root.mkdir(parents=True, exist_ok=True)
         if target.is_symlink() or (target.exists() and not target.is_dir()):
-            raise WeightsError(f"{target} is in the way of the set from {source} and is not a directory; remove it by hand")
+            raise WeightsError(
+                f"{target} is in the way of the set from {source} and is not a directory; remove it by hand"
+            )
         target.mkdir(exist_ok=True)
         total = sum(size for _, size in files)
         done_before = 0
@@ -496,15 +514,18 @@ class WeightsCache:
                 # Progress is the version's, not the file's: the shards asked for the version.
                 flight.report(base + done, total)
 
-            part = target / (name + PART_SUFFIX)
+            part = download.part_path(dest)
             await self._download(source + quote(name, safe=""), part, size, report)
-            os.replace(part, dest)
+            await asyncio.to_thread(replace_durably, part, dest)
             done_before += size
-        marker = {"source": source, "files": [{"name": n, "bytes": b} for n, b in files], "bytes": total,
-                  "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        tmp = target / (COMPLETE_MARKER + ".tmp")
-        tmp.write_bytes(orjson.dumps(marker, option=orjson.OPT_INDENT_2))
-        os.replace(tmp, target / COMPLETE_MARKER)  # last: only now is the set usable
+        marker = {
+            "source": source,
+            "files": [{"name": n, "bytes": b} for n, b in files],
+            "bytes": total,
+            "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        # Last: only now is the set usable.
+        write_atomic(target / COMPLETE_MARKER, orjson.dumps(marker, option=orjson.OPT_INDENT_2))
         self._update_index(target.name, source)
         return target
 
@@ -513,12 +534,14 @@ class WeightsCache:
             async with self._http().get(source, headers={"Accept": "application/json"}) as resp:
                 if resp.status != 200:
                     hint = ": no such version on the mirror" if resp.status == 404 else ""
-                    raise WeightsError(f"{source} answered {resp.status} {resp.reason} where a manifest was expected{hint}")
+                    raise WeightsError(
+                        f"{source} answered {resp.status} {resp.reason} where a manifest was expected{hint}"
+                    )
                 body = await resp.content.read(MANIFEST_MAX_BYTES + 1)
                 ctype = resp.content_type
         except aiohttp.ClientError as exc:
             raise WeightsError(f"the manifest at {source} could not be read ({_describe(exc)})") from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise WeightsError(f"the manifest at {source} did not arrive in time") from exc
         if ctype == "text/html" or body.lstrip()[:1] == b"<":
             raise WeightsError(
@@ -527,7 +550,9 @@ class WeightsCache:
                 "is this the mirror's byte port (:8081)?"
             )
         if len(body) > MANIFEST_MAX_BYTES:
-            raise WeightsError(f"{source} did not answer with a manifest: the answer is larger than {MANIFEST_MAX_BYTES} bytes")
+            raise WeightsError(
+                f"{source} did not answer with a manifest: the answer is larger than {MANIFEST_MAX_BYTES} bytes"
+            )
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -557,65 +582,46 @@ class WeightsCache:
                 await asyncio.sleep(self._retry_delay * min(failures, 5))
 
     async def _attempt(self, url: str, part: Path, expected: int | None, report: Progress) -> None:
-        have = part.stat().st_size if part.exists() else 0
-        if expected is not None and have > expected:
-            part.unlink()  # longer than the file can be: not a prefix of it
-            have = 0
-        # identity: a compressed body would make Content-Length and Range
-        # count bytes we never write.
-        headers = {"Accept-Encoding": "identity"}
-        if have:
-            headers["Range"] = f"bytes={have}-"
+        have = download.resume_from(part, expected)
         try:
-            async with self._http().get(url, headers=headers) as resp:
-                if resp.status == 416 and have:
-                    whole = _range_total(resp.headers.get("Content-Range"))
-                    if whole == have and (expected is None or expected == have):
-                        report(have, have)
-                        return  # the .part was already whole
-                    part.unlink()  # the server's file is not what we hold a prefix of
-                    raise _Transient(f"{url} refused to resume at byte {have}; starting again")
-                if resp.status == 206:
-                    start, total = _content_range(resp.headers.get("Content-Range"))
-                    if start != have:
-                        part.unlink(missing_ok=True)
-                        raise _Transient(f"{url} resumed at byte {start}, not {have}; starting again")
-                    mode = "ab"
-                elif resp.status == 200:
-                    # No Range asked, or the server ignored it: the body is the whole file.
-                    have, mode = 0, "wb"
-                    total = resp.content_length
-                elif resp.status >= 500 or resp.status in (408, 429):
-                    raise _Transient(f"{url} answered {resp.status} {resp.reason}")
-                else:
-                    raise WeightsError(_status_error(url, resp.status, resp.reason))
-                if expected is not None and total is not None and total != expected:
+            async with self._http().get(url, headers=download.request_headers(have)) as resp:
+                answer = download.read_answer(
+                    resp.status, have, resp.headers.get("Content-Range"), resp.headers.get("Content-Length"), expected
+                )
+                if answer.step is Step.WHOLE:
+                    report(have, have)
+                    return  # the .part was already whole
+                if answer.step is Step.RESTART:
+                    part.unlink(missing_ok=True)  # what we hold cannot be extended by this answer
+                    raise _Transient(f"{url} {answer.why}; starting again")
+                if answer.step is Step.WRONG_LENGTH:
                     raise _Discarded(
-                        f"{url} is {total} bytes but the manifest promises {expected}; "
+                        f"{url} is {answer.total} bytes but the manifest promises {expected}; "
                         "the mirror's file and its manifest disagree, so nothing was kept"
                     )
-                if total is None:
-                    total = expected
+                if answer.step is Step.OTHER:
+                    if resp.status >= 500 or resp.status in (408, 429):
+                        raise _Transient(f"{url} answered {resp.status} {resp.reason}")
+                    raise WeightsError(_status_error(url, resp.status, resp.reason))
+                total, done = answer.total, answer.have
                 if total is not None:
-                    _check_space(part.parent, total - have, url)
-                done = have
+                    _check_space(part.parent, total - done, url)
                 report(done, total)
-                f = await asyncio.to_thread(open, part, mode)
+                f = await asyncio.to_thread(open, part, "ab" if answer.step is Step.APPEND else "wb")
                 try:
-                    async for chunk in resp.content.iter_chunked(CHUNK):
-                        if total is not None and done + len(chunk) > total:
+                    async for chunk in resp.content.iter_chunked(download.CHUNK):
+                        if download.overruns(done, len(chunk), total):
                             raise _Discarded(f"{url} sent more than the {total} bytes it promised; nothing was kept")
                         await asyncio.to_thread(f.write, chunk)
                         done += len(chunk)
                         report(done, total)
-                    await asyncio.to_thread(_flush, f)
                 finally:
                     await asyncio.to_thread(f.close)
         except _Discarded:
             with contextlib.suppress(FileNotFoundError):
                 part.unlink()
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise _Transient(_describe(exc)) from exc
         if total is not None and done < total:
             raise _Transient(f"the connection ended after {done} of {total} bytes")
@@ -651,33 +657,14 @@ def parse_manifest(data: object, source: str) -> list[tuple[str, int]]:
 
 def check_member_name(name: str, source: str) -> None:
     """Refuse a manifest filename that is not one plain name inside the set."""
-    why = None
-    if not name or name in (".", ".."):
-        why = "is not a file name"
-    elif "/" in name or "\\" in name:
-        why = "contains a path separator, so it could land outside the set's directory"
-    elif "\x00" in name or any(ord(c) < 32 for c in name):
-        why = "contains control characters"
-    elif name == COMPLETE_MARKER or name.startswith(COMPLETE_MARKER + "."):
+    # Room for the suffix it is downloaded under.
+    why = segment_problem(name, room=len(PART_SUFFIX))
+    if why is None and (name == COMPLETE_MARKER or name.startswith(COMPLETE_MARKER + ".")):
         why = f"is the name of this cache's completion marker ({COMPLETE_MARKER})"
-    elif name.endswith(PART_SUFFIX):
+    elif why is None and name.endswith(PART_SUFFIX):
         why = f"ends in {PART_SUFFIX}, which this cache uses for unfinished downloads"
-    elif len(name.encode()) + len(PART_SUFFIX) > 255:
-        why = "is too long for a file name"
     if why:
         raise WeightsError(f"{source}: the manifest's file name {name!r} {why}; it was refused and nothing was fetched")
-
-
-def _content_range(value: str | None) -> tuple[int, int | None]:
-    m = _CONTENT_RANGE.match(value.strip()) if value else None
-    if not m or m.group(1) is None:
-        raise _Transient(f"a partial answer came with an unreadable Content-Range ({value!r})")
-    return int(m.group(1)), (None if m.group(3) == "*" else int(m.group(3)))
-
-
-def _range_total(value: str | None) -> int | None:
-    m = _CONTENT_RANGE.match(value.strip()) if value else None
-    return int(m.group(3)) if m and m.group(3) != "*" else None
 
 
 def _status_error(url: str, status: int, reason: str | None) -> str:
@@ -696,19 +683,12 @@ def _describe(exc: BaseException) -> str:
 
 
 def _check_space(directory: Path, needed: int, url: str) -> None:
-    free = shutil.disk_usage(directory).free
-    if needed > free:
+    free = download.lacking_space(directory, needed)
+    if free is not None:
         raise WeightsError(
             f"{url} needs {needed / 1e9:.1f} GB more but {directory} has {free / 1e9:.1f} GB free; "
             "free space there (llmgw ctl weights --collect removes weights nothing uses) and try again"
         )
-
-
-def _flush(f) -> None:  # noqa: ANN001 - a binary file object
-    # On disk before the rename, so a power cut cannot leave a short file
-    # under the final name.
-    f.flush()
-    os.fsync(f.fileno())
 
 
 def _dir_bytes(directory: Path) -> int:

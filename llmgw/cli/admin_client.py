@@ -16,25 +16,35 @@ import os
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from llmgw.cli.common import fail
-from llmgw.config.server import DEFAULT_CONFIG_PATH, DEFAULT_DATA_DIR
+from llmgw.config.server import ADMIN_TOKEN_FILE, DEFAULT_CONFIG_PATH, DEFAULT_DATA_DIR
 from llmgw.files import SecretFileError, read_secret_file
 from llmgw.pki import DEFAULT_PKI_DIR
-from llmgw.server.admin.access import TOKEN_FILE as TOKEN_FILE_NAME
 
 DEFAULT_SERVER = "http://127.0.0.1:9090"
 DEFAULT_CA = str(Path(DEFAULT_PKI_DIR) / "ca.pem")
 
-ServerOpt = Annotated[Optional[str], typer.Option(
-    "--server", "--admin", envvar="LLMGW_SERVER", show_envvar=False,
-    help=f"The control plane's admin API (admin_listen); default {DEFAULT_SERVER}.")]
-TokenFileOpt = Annotated[Optional[Path], typer.Option(
-    "--token-file", help="A file holding an admin token; default: LLMGW_ADMIN_TOKEN, else this machine's "
-    "data_dir/admin-token.")]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        "--admin",
+        envvar="LLMGW_SERVER",
+        show_envvar=False,
+        help=f"The control plane's admin API (admin_listen); default {DEFAULT_SERVER}.",
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        help="A file holding an admin token; default: LLMGW_ADMIN_TOKEN, else this machine's data_dir/admin-token.",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print as JSON.")]
 
 
@@ -45,7 +55,7 @@ class Admin:
     url: str
     tokens: list[tuple[str, str]] = field(default_factory=list)  # (token, where it came from)
     looked: list[str] = field(default_factory=list)  # what was looked at and why it gave nothing
-    verify: "ssl.SSLContext | bool" = True
+    verify: ssl.SSLContext | bool = True
 
 
 def _url(server: str | None) -> str:
@@ -61,13 +71,13 @@ def _candidate_files() -> list[Path]:
         try:
             from llmgw.config import load_server_config
 
-            files.append(Path(load_server_config(DEFAULT_CONFIG_PATH).data_path) / TOKEN_FILE_NAME)
-        except Exception:  # noqa: BLE001 - a broken server.yaml is the server's to report; look elsewhere
+            files.append(Path(load_server_config(DEFAULT_CONFIG_PATH).data_path) / ADMIN_TOKEN_FILE)
+        except Exception:
             pass
-    files.append(Path(DEFAULT_DATA_DIR) / TOKEN_FILE_NAME)
-    from llmgw.up import default_dir
+    files.append(Path(DEFAULT_DATA_DIR) / ADMIN_TOKEN_FILE)
+    from llmgw.up.config import default_dir
 
-    files.append(default_dir() / TOKEN_FILE_NAME)
+    files.append(default_dir() / ADMIN_TOKEN_FILE)
     return list(dict.fromkeys(files))
 
 
@@ -116,8 +126,10 @@ def admin_call(method: str, admin: Admin, path: str, body: dict | None = None) -
             # A source check may fetch a manifest from far away: give it time.
             r = httpx.request(method, url, headers=headers, json=body, timeout=60, verify=admin.verify)
         except httpx.HTTPError as exc:
-            fail(f"cannot reach the control plane's admin API at {admin.url}: {exc}; is llmgw server running, "
-                 "and is --server its admin_listen?")
+            fail(
+                f"cannot reach the control plane's admin API at {admin.url}: {exc}; is llmgw server running, "
+                "and is --server its admin_listen?"
+            )
         if r.status_code != 401:
             break
     assert r is not None

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import typer
 
 from llmgw.cli.common import err, fail
 from llmgw.config.agent import DEFAULT_AGENT_CONFIG_PATH
 
-app = typer.Typer(help="The node agent: run it, see what it finds on this machine, check an engine binary.",
-                  invoke_without_command=True)
+app = typer.Typer(
+    help="The node agent: run it, see what it finds on this machine, check an engine binary.",
+    invoke_without_command=True,
+)
 
 
 @app.callback()
@@ -25,29 +28,14 @@ def agent(
     """
     if ctx.invoked_subcommand is not None:
         return
-    import asyncio
-    import signal
-
     from llmgw.agent.client import LinkError
-    from llmgw.agent.identity import resolve_identity
-    from llmgw.agent.service import Agent, capture_agent_log
-    from llmgw.server.app import install_loop, setup_logging
+    from llmgw.agent.service import serve_until_stopped
+    from llmgw.runtime import run_until_stopped, setup_logging
 
     cfg = _load(config)
     setup_logging(log_level)
-    capture_agent_log()
-    identity = resolve_identity(cfg)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await Agent(cfg, identity).run(stop)
-
-    install_loop()
     try:
-        asyncio.run(main())
+        run_until_stopped(partial(serve_until_stopped, cfg))
     except LinkError as exc:
         fail(str(exc))
 
@@ -65,7 +53,9 @@ def _load(path: str):
 @app.command("inventory")
 def inventory(
     as_json: bool = typer.Option(False, "--json", help="Print what the control plane would receive, as JSON."),
-    config: str = typer.Option(None, "--config", "-c", help="agent.yaml whose discovery settings and model_dirs to use."),
+    config: str = typer.Option(
+        None, "--config", "-c", help="agent.yaml whose discovery settings and model_dirs to use."
+    ),
 ) -> None:
     """Print what this machine is, as the control plane would see it: host, memory, disks, GPUs, NVLink, adapters."""
     from pathlib import Path
@@ -76,9 +66,13 @@ def inventory(
     opts = DiscoveryOptions()
     if config:
         cfg = _load(config)
-        opts = DiscoveryOptions(model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]),
-                                nvidia_smi=cfg.discovery.nvidia_smi, ib_root=Path(cfg.discovery.ib_root),
-                                prefer_nvml=cfg.discovery.prefer_nvml, skip_gpus=cfg.discovery.skip_gpus)
+        opts = DiscoveryOptions(
+            model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]),
+            nvidia_smi=cfg.discovery.nvidia_smi,
+            ib_root=Path(cfg.discovery.ib_root),
+            prefer_nvml=cfg.discovery.prefer_nvml,
+            skip_gpus=cfg.discovery.skip_gpus,
+        )
     typer.echo(render_inventory(collect_inventory(opts), as_json))
 
 
@@ -104,7 +98,9 @@ def engine_check(
         for w in report.warnings:
             err.print(f"warning: {w}", highlight=False)
         if report.ok:
-            typer.echo(f"{report.engine}: all {len(report.flags)} flags llmgw passes are in {report.bin}'s help "
-                       f"({report.help_lines} lines)")
+            typer.echo(
+                f"{report.engine}: all {len(report.flags)} flags llmgw passes are in {report.bin}'s help "
+                f"({report.help_lines} lines)"
+            )
     if not report.ok:
         raise typer.Exit(1)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import NoReturn
 
@@ -18,7 +17,9 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", markup=True) if sys.stderr.isatty() else print(f"error: {message}", file=sys.stderr)
+    err.print(f"[bold red]error:[/] {message}", markup=True) if sys.stderr.isatty() else print(
+        f"error: {message}", file=sys.stderr
+    )
     raise typer.Exit(code)
 
 

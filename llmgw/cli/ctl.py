@@ -3,16 +3,37 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TypeVar
 
 import typer
+from pydantic import BaseModel, ValidationError
 
+from llmgw import __version__
 from llmgw.cli.admin_client import Admin, ServerOpt, TokenFileOpt, admin_call, connect
 from llmgw.cli.common import fail
 from llmgw.pki import DEFAULT_PKI_DIR, PKIError, init_ca, issue_client, issue_server, load_cert, san_names
+from llmgw.protocol import ProvisionState
+from llmgw.protocol.admin import (
+    CatalogModel,
+    CatalogScaling,
+    ModelAddRequest,
+    ModelReply,
+    ModelsReply,
+    NodeAction,
+    NodeLogs,
+    NodeRow,
+    NodesReply,
+    PlacementReply,
+    Removed,
+    ReplicasReply,
+    ScaleRequest,
+    ShardFetch,
+)
 
 app = typer.Typer(help="Operate the fleet: certificates, nodes, models.", no_args_is_help=True)
-cert_app = typer.Typer(help="The fleet's private certificate authority and the certificates it issues.", no_args_is_help=True)
+cert_app = typer.Typer(
+    help="The fleet's private certificate authority and the certificates it issues.", no_args_is_help=True
+)
 app.add_typer(cert_app, name="cert")
 
 _DIR_HELP = f"Directory holding the authority (ca.pem, ca-key.pem); default {DEFAULT_PKI_DIR}."
@@ -24,7 +45,9 @@ def cert_init_ca(
     dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
     name: str = typer.Option("llmgw fleet CA", "--name", help="The authority's common name."),
     days: int = typer.Option(3650, "--days", help="How long the authority is valid."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing authority (every certificate must then be issued again)."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace an existing authority (every certificate must then be issued again)."
+    ),
 ) -> None:
     """Create the authority: ca.pem to trust on every machine, ca-key.pem to keep here and back up."""
     try:
@@ -37,10 +60,10 @@ def cert_init_ca(
 
 @cert_app.command("issue-server")
 def cert_issue_server(
-    names: Optional[list[str]] = typer.Argument(None, help="Every host name and IP address agents dial."),
-    host: Optional[list[str]] = typer.Option(None, "--host", help="Another host name or IP address (may be repeated)."),
+    names: list[str] | None = typer.Argument(None, help="Every host name and IP address agents dial."),
+    host: list[str] | None = typer.Option(None, "--host", help="Another host name or IP address (may be repeated)."),
     dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", help=_OUT_HELP),
+    out: Path | None = typer.Option(None, "--out", help=_OUT_HELP),
     days: int = typer.Option(825, "--days", help="How long the certificate is valid."),
 ) -> None:
     """Issue server.pem and server-key.pem naming every address agents dial, bare IPs included."""
@@ -54,9 +77,11 @@ def cert_issue_server(
 
 @cert_app.command("issue-client")
 def cert_issue_client(
-    node: str = typer.Argument(..., help="The node id (the agent's node_id, or e.g. control-plane for the mirror API)."),
+    node: str = typer.Argument(
+        ..., help="The node id (the agent's node_id, or e.g. control-plane for the mirror API)."
+    ),
     dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", help=_OUT_HELP),
+    out: Path | None = typer.Option(None, "--out", help=_OUT_HELP),
     days: int = typer.Option(825, "--days", help="How long the certificate is valid."),
 ) -> None:
     """Issue NODE.pem and NODE-key.pem whose common name is the node id the agent claims."""
@@ -69,8 +94,28 @@ def cert_issue_client(
     typer.echo(f"install them on {node} as the agent's tls.cert and tls.key, beside the authority's ca.pem")
 
 
-def _admin_get(admin: Admin, path: str) -> dict:
-    return admin_call("GET", admin, path)
+Reply = TypeVar("Reply", bound=BaseModel)
+
+
+def first_error(exc: ValidationError) -> str:
+    e = exc.errors()[0]
+    return f"{'.'.join(map(str, e['loc'])) or 'the body'}: {e['msg']}"
+
+
+def call(method: str, admin: Admin, path: str, shape: type[Reply], body: BaseModel | None = None) -> Reply:
+    """One admin call, its reply read as ``shape`` (protocol.admin).
+
+    The body leaves out what the command did not say, so the server's defaults hold.
+    A reply of another shape (a server of another release) is said, not a traceback."""
+    sent = None if body is None else body.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    data = admin_call(method, admin, path, sent)
+    try:
+        return shape.model_validate(data)
+    except ValidationError as exc:
+        fail(
+            f"{admin.url}{path} answered in a shape llmgw {__version__} does not read ({first_error(exc)}); "
+            "is the server of another release?"
+        )
 
 
 def _ago(ts: float | None) -> str:
@@ -133,33 +178,24 @@ def _print_rows(headers: list[str], rows: list[tuple[list[str], list[str]]]) -> 
             typer.echo(text)
 
 
-def _percent(p: dict) -> float | None:
-    done, total = p.get("bytes_done"), p.get("bytes_total")
-    if p.get("percent") is not None:
-        return p["percent"]
-    if done is not None and total:
-        return 100.0 * done / total
-    return None
-
-
-def _engine_words(n: dict) -> str:
+def _engine_words(n: NodeRow) -> str:
     """Ready engines with their versions, then the others with what is happening to them."""
-    engines = n.get("engines") or {}
+    engines = n.engines or {}
     words = [f"{k} {v}".strip() for k, v in engines.items()]
-    for engine, st in (n.get("provision") or {}).items():
-        if st.get("state") == "ready" or engine in engines:
+    for engine, st in (n.provision or {}).items():
+        if st.state == ProvisionState.READY or engine in engines:
             continue
-        text = f"{engine} {st.get('state')}"
-        if st.get("detail"):
-            text += f": {st['detail']}"
-        pct = _percent(st.get("progress") or {})
+        text = f"{engine} {st.state.value}"
+        if st.detail:
+            text += f": {st.detail}"
+        pct = st.progress.percent if st.progress is not None else None
         if pct is not None:
             text += f" {pct:.0f}%"
         words.append(text)
     return ", ".join(words) or "-"
 
 
-def _label_matches(labels: dict, want: str) -> bool:
+def _label_matches(labels: dict[str, str], want: str) -> bool:
     key, eq, value = want.partition("=")
     if key not in labels:
         return False
@@ -170,26 +206,29 @@ def _label_matches(labels: dict, want: str) -> bool:
 def nodes(
     server: ServerOpt = None,
     token_file: TokenFileOpt = None,
-    state: Optional[str] = typer.Option(
-        None, "--state", help="Only nodes whose state starts with this: ready, cordoned, draining, unreachable, lost."),
-    gpu_class: Optional[str] = typer.Option(None, "--class", help="Only nodes with GPUs of this class, e.g. h100-80g."),
-    fabric: Optional[str] = typer.Option(None, "--fabric", help="Only nodes attached to this fabric."),
-    label: Optional[list[str]] = typer.Option(
-        None, "--label", help="Only nodes with this label, as KEY or KEY=VALUE (may be repeated: all must match)."),
+    state: str | None = typer.Option(
+        None, "--state", help="Only nodes whose state starts with this: ready, cordoned, draining, unreachable, lost."
+    ),
+    gpu_class: str | None = typer.Option(None, "--class", help="Only nodes with GPUs of this class, e.g. h100-80g."),
+    fabric: str | None = typer.Option(None, "--fabric", help="Only nodes attached to this fabric."),
+    label: list[str] | None = typer.Option(
+        None, "--label", help="Only nodes with this label, as KEY or KEY=VALUE (may be repeated: all must match)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the nodes shown (after the filters) as JSON."),
 ) -> None:
     """List the nodes: state, free GPUs, memory, disk, engines, GPU classes, fabrics, replicas, last seen."""
     import json
 
     data = [
-        n for n in _admin_get(connect(server, token_file), "/api/v1/nodes")["nodes"]
-        if (state is None or n["state"].startswith(state))
-        and (gpu_class is None or gpu_class in (n.get("classes") or ()))
-        and (fabric is None or fabric in (n.get("fabrics") or ()))
-        and all(_label_matches(n.get("labels") or {}, want) for want in label or ())
+        n
+        for n in call("GET", connect(server, token_file), "/api/v1/nodes", NodesReply).nodes
+        if (state is None or n.state.startswith(state))
+        and (gpu_class is None or gpu_class in (n.classes or ()))
+        and (fabric is None or fabric in (n.fabrics or ()))
+        and all(_label_matches(n.labels or {}, want) for want in label or ())
     ]
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(json.dumps([n.model_dump(mode="json", exclude_unset=True) for n in data], indent=2))
         return
     if not data:
         filtered = state or gpu_class or fabric or label
@@ -197,26 +236,39 @@ def nodes(
         return
     rows = []
     for n in data:
-        mem = n.get("memory") or {}
-        total, avail = mem.get("total_bytes"), mem.get("available_bytes")
+        total, avail = (n.memory.total_bytes, n.memory.available_bytes) if n.memory else (None, None)
         memory = f"{avail / 2**30:.0f}/{total / 2**30:.0f} GiB free" if total and avail is not None else "-"
-        dfree, dtotal = n.get("disk_free_bytes"), n.get("disk_total_bytes")
-        disk = f"{_size(dfree)} free of {_size(dtotal)}" if dfree is not None and dtotal else (
-            f"{_size(dfree)} free" if dfree is not None else "-")
-        gpus = f"{n.get('gpus_free', 0)}/{n['gpus_total']}" if n.get("gpus_total") else "-"
-        replicas = n.get("replicas") or []
-        cells = [n["node_id"], n["state"] + ("" if n.get("connected", True) else " (disconnected)"), gpus, memory,
-                 disk, _engine_words(n), ", ".join(n.get("classes") or ()) or "-",
-                 ", ".join(n.get("fabrics") or ()) or "-", ", ".join(replicas) or "-", _ago(n.get("last_seen"))]
-        rows.append((cells, [f"  warning: {w}" for w in n.get("warnings") or ()]))
-    _print_rows(["NODE", "STATE", "GPUS", "MEM", "DISK", "ENGINES", "CLASSES", "FABRICS", "REPLICAS", "LAST SEEN"],
-                rows)
+        dfree, dtotal = n.disk_free_bytes, n.disk_total_bytes
+        disk = (
+            f"{_size(dfree)} free of {_size(dtotal)}"
+            if dfree is not None and dtotal
+            else (f"{_size(dfree)} free" if dfree is not None else "-")
+        )
+        gpus = f"{n.gpus_free or 0}/{n.gpus_total}" if n.gpus_total else "-"
+        cells = [
+            n.node_id,
+            n.state + (" (disconnected)" if n.connected is False else ""),
+            gpus,
+            memory,
+            disk,
+            _engine_words(n),
+            ", ".join(n.classes or ()) or "-",
+            ", ".join(n.fabrics or ()) or "-",
+            ", ".join(n.replicas or ()) or "-",
+            _ago(n.last_seen),
+        ]
+        rows.append((cells, [f"  warning: {w}" for w in n.warnings or ()]))
+    _print_rows(
+        ["NODE", "STATE", "GPUS", "MEM", "DISK", "ENGINES", "CLASSES", "FABRICS", "REPLICAS", "LAST SEEN"], rows
+    )
 
 
-def _fetch_line(fetch: dict) -> str:
-    source = fetch.get("source") or "weights"
-    done, total = fetch.get("bytes_done"), fetch.get("bytes_total")
-    pct = _percent(fetch)
+def _fetch_line(fetch: ShardFetch) -> str:
+    source = fetch.source or "weights"
+    done, total = fetch.bytes_done, fetch.bytes_total
+    pct = fetch.percent
+    if pct is None and done is not None and total:
+        pct = 100.0 * done / total
     if total:
         return f"  fetching {source}: {pct:.0f}% of {_size(total)}"
     if pct is not None:
@@ -226,7 +278,7 @@ def _fetch_line(fetch: dict) -> str:
 
 @app.command("replicas")
 def replicas(
-    model: Optional[str] = typer.Option(None, "--model", help="Only this model's replicas."),
+    model: str | None = typer.Option(None, "--model", help="Only this model's replicas."),
     server: ServerOpt = None,
     token_file: TokenFileOpt = None,
     as_json: bool = typer.Option(False, "--json", help="Print the replicas as JSON."),
@@ -236,28 +288,38 @@ def replicas(
     from urllib.parse import urlencode
 
     query = f"?{urlencode({'model': model})}" if model else ""
-    data = _admin_get(connect(server, token_file), f"/api/v1/replicas{query}")["replicas"]
+    data = call("GET", connect(server, token_file), f"/api/v1/replicas{query}", ReplicasReply).replicas
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(json.dumps([r.model_dump(mode="json", exclude_unset=True) for r in data], indent=2))
         return
     if not data:
-        typer.echo(f"no replicas of {model}" if model else "no replicas; add a model with llmgw ctl model add -f model.yaml")
+        typer.echo(
+            f"no replicas of {model}" if model else "no replicas; add a model with llmgw ctl model add -f model.yaml"
+        )
         return
     rows = []
     for r in data:
-        shards = r.get("shards") or []
-        nodes_ = list(dict.fromkeys(s["node"] for s in shards if s.get("node")))
-        state = r["state"] + (" (stale profile)" if r.get("stale") else "")
-        cells = [r["id"], r["model"], r.get("profile") or "-", state, r.get("pool") or "-",
-                 ", ".join(nodes_) or "-", r.get("endpoint") or "-", _duration(r.get("age_s")),
-                 _duration(r.get("idle_s"))]
+        shards = r.shards or []
+        nodes_ = list(dict.fromkeys(s.node for s in shards if s.node))
+        state = r.state + (" (stale profile)" if r.stale else "")
+        cells = [
+            r.id,
+            r.model,
+            r.profile or "-",
+            state,
+            r.pool or "-",
+            ", ".join(nodes_) or "-",
+            r.endpoint or "-",
+            _duration(r.age_s),
+            _duration(r.idle_s),
+        ]
         extra = []
         for s in shards:
-            if s.get("fetch"):
-                line = _fetch_line(s["fetch"])
-                extra.append(line + (f" (on {s['node']})" if len(shards) > 1 else ""))
-        if r.get("reason"):
-            extra.append(f"  {r['reason']}")
+            if s.fetch:
+                line = _fetch_line(s.fetch)
+                extra.append(line + (f" (on {s.node})" if len(shards) > 1 else ""))
+        if r.reason:
+            extra.append(f"  {r.reason}")
         rows.append((cells, extra))
     _print_rows(["REPLICA", "MODEL", "PROFILE", "STATE", "POOL", "NODES", "ENDPOINT", "AGE", "IDLE"], rows)
 
@@ -265,8 +327,8 @@ def replicas(
 def _node_action(action: str, node: str, admin: Admin) -> None:
     from urllib.parse import quote
 
-    data = admin_call("POST", admin, f"/api/v1/nodes/{quote(node, safe='')}/{action}")
-    typer.echo(data.get("message") or f"{data.get('node', node)} is {data.get('state', action)}")
+    got = call("POST", admin, f"/api/v1/nodes/{quote(node, safe='')}/{action}", NodeAction)
+    typer.echo(got.message or f"{got.node} is {got.state or action}")
 
 
 @app.command("cordon")
@@ -299,19 +361,22 @@ def drain(
     _node_action("drain", node, connect(server, token_file))
 
 
-model_app = typer.Typer(help="Models the control plane runs (added at run time; server.yaml's are changed there).",
-                        no_args_is_help=True)
+model_app = typer.Typer(
+    help="Models the control plane runs (added at run time; server.yaml's are changed there).", no_args_is_help=True
+)
 app.add_typer(model_app, name="model")
 
 
-def _scaling_words(m: dict) -> str:
-    sc = m.get("scaling") or {}
-    return f"{sc.get('state', '?')} (min {sc.get('min')}, max {sc.get('max')})"
+def _scaling_words(m: CatalogModel) -> str:
+    sc = m.scaling or CatalogScaling()
+    return f"{sc.state or '?'} (min {sc.min}, max {sc.max})"
 
 
 @model_app.command("add")
 def model_add(
-    file: Path = typer.Option(..., "-f", "--file", help="A YAML file holding one model (name, source, scaling, profiles)."),
+    file: Path = typer.Option(
+        ..., "-f", "--file", help="A YAML file holding one model (name, source, scaling, profiles)."
+    ),
     no_source_check: bool = typer.Option(False, "--no-source-check", help="Do not check that the source can be read."),
     server: ServerOpt = None,
     token_file: TokenFileOpt = None,
@@ -324,8 +389,14 @@ def model_add(
         model = load_model_file(file)
     except ConfigError as exc:
         fail(str(exc))
-    m = admin_call("POST", connect(server, token_file), "/api/v1/models", {"model": model, "source_check": not no_source_check})["model"]
-    typer.echo(f"added {m['name']}: {_scaling_words(m)}")
+    m = call(
+        "POST",
+        connect(server, token_file),
+        "/api/v1/models",
+        ModelReply,
+        ModelAddRequest(model=model, source_check=not no_source_check),
+    ).model
+    typer.echo(f"added {m.name}: {_scaling_words(m)}")
 
 
 @model_app.command("remove")
@@ -335,7 +406,7 @@ def model_remove(
     token_file: TokenFileOpt = None,
 ) -> None:
     """Remove a model added at run time (one declared in server.yaml is removed there)."""
-    admin_call("DELETE", connect(server, token_file), f"/api/v1/models/{name}")
+    call("DELETE", connect(server, token_file), f"/api/v1/models/{name}", Removed)
     typer.echo(f"removed {name}")
 
 
@@ -343,14 +414,15 @@ def model_remove(
 def scale(
     name: str = typer.Argument(..., help="The model's name."),
     min_: int = typer.Option(..., "--min", help="Replicas always running; 0 starts it on demand."),
-    max_: Optional[int] = typer.Option(None, "--max", help="Most replicas; 0 stops the model."),
+    max_: int | None = typer.Option(None, "--max", help="Most replicas; 0 stops the model."),
     server: ServerOpt = None,
     token_file: TokenFileOpt = None,
 ) -> None:
     """Set how many replicas of a model run."""
-    body = {"min": min_} if max_ is None else {"min": min_, "max": max_}
-    m = admin_call("PUT", connect(server, token_file), f"/api/v1/models/{name}/scale", body)["model"]
-    typer.echo(f"{m['name']}: {_scaling_words(m)}")
+    m = call(
+        "PUT", connect(server, token_file), f"/api/v1/models/{name}/scale", ModelReply, ScaleRequest(min=min_, max=max_)
+    ).model
+    typer.echo(f"{m.name}: {_scaling_words(m)}")
 
 
 @app.command("models")
@@ -365,33 +437,41 @@ def models(
     from rich.console import Console
     from rich.table import Table
 
-    data = _admin_get(connect(server, token_file), "/api/v1/models")
+    data = call("GET", connect(server, token_file), "/api/v1/models", ModelsReply)
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(json.dumps(data.model_dump(mode="json", exclude_unset=True), indent=2))
         return
-    for problem in data.get("problems") or ():
+    for problem in data.problems or ():
         typer.echo(f"warning: {problem}", err=True)
-    if not data["models"]:
+    if not data.models:
         typer.echo("the catalog is empty; add a model with llmgw ctl model add -f model.yaml")
         return
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col in ("MODEL", "FROM", "SCALING", "READY", "PROFILES", "SOURCE"):
         table.add_column(col, no_wrap=True)
     notes: list[str] = []
-    for m in data["models"]:
-        profiles = ", ".join(p.get("name") or p.get("engine", "?") for p in m.get("profiles") or ()) or "static endpoints"
-        status = m.get("status") or {}
+    for m in data.models:
+        profiles = ", ".join(p.name or p.engine or "?" for p in m.profiles or ()) or "static endpoints"
+        status = m.status
         ready = "-"
-        if status.get("target") is not None:
-            ready = f"{(status.get('replicas') or {}).get('ready', 0)}/{status['target']}"
-        table.add_row(m["name"], "server.yaml" if m.get("declared") else "added", _scaling_words(m) if m.get("scaling") else "-",
-                      ready, profiles, m.get("source") or "-")
-        backoff = status.get("backoff")
-        if backoff:
-            notes.append(f"{m['name']}: {backoff['failures']} failed start(s) in a row, next attempt in "
-                         f"{_duration(backoff['retry_in_s'])}; last: {backoff['last_failure']}")
-        if status.get("problem"):
-            notes.append(f"{m['name']}: {status['problem']}")
+        if status is not None and status.target is not None:
+            ready = f"{(status.replicas or {}).get('ready', 0)}/{status.target}"
+        table.add_row(
+            m.name,
+            "server.yaml" if m.declared else "added",
+            _scaling_words(m) if m.scaling else "-",
+            ready,
+            profiles,
+            m.source or "-",
+        )
+        if status is not None and status.backoff is not None:
+            b = status.backoff
+            notes.append(
+                f"{m.name}: {b.failures} failed start(s) in a row, next attempt in "
+                f"{_duration(b.retry_in_s)}; last: {b.last_failure}"
+            )
+        if status is not None and status.problem:
+            notes.append(f"{m.name}: {status.problem}")
     Console(highlight=False, width=200).print(table)
     for note in notes:
         typer.echo(note)
@@ -400,7 +480,7 @@ def models(
 @app.command("logs")
 def logs(
     node: str = typer.Argument(..., help="The node's id."),
-    source: Optional[str] = typer.Option(None, "--source", help="A shard id; default the agent's own log."),
+    source: str | None = typer.Option(None, "--source", help="A shard id; default the agent's own log."),
     lines: int = typer.Option(200, "-n", "--lines", help="How many of the last lines."),
     server: ServerOpt = None,
     token_file: TokenFileOpt = None,
@@ -409,11 +489,11 @@ def logs(
     from urllib.parse import urlencode
 
     query = urlencode({"lines": lines, **({"source": source} if source else {})})
-    data = _admin_get(connect(server, token_file), f"/api/v1/nodes/{node}/logs?{query}")
-    for line in data["lines"]:
+    got = call("GET", connect(server, token_file), f"/api/v1/nodes/{node}/logs?{query}", NodeLogs)
+    for line in got.lines or ():
         typer.echo(line)
-    if data.get("sources"):
-        typer.echo(f"(logs on {node}: {', '.join(data['sources'])})", err=True)
+    if got.sources:
+        typer.echo(f"(logs on {node}: {', '.join(got.sources)})", err=True)
 
 
 @app.command("explain-placement")
@@ -426,20 +506,20 @@ def explain_placement(
     """Say, for every node and each of the model's profiles, whether a replica would be placed there and why."""
     import json
 
-    data = _admin_get(connect(server, token_file), f"/api/v1/models/{name}/placement")
+    data = call("GET", connect(server, token_file), f"/api/v1/models/{name}/placement", PlacementReply)
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        typer.echo(json.dumps(data.model_dump(mode="json", exclude_unset=True), indent=2))
         return
-    for p in data["profiles"]:
-        typer.echo(f"profile {p['profile']}:")
-        if p.get("error"):
-            typer.echo(f"  {p['error']}")
+    for p in data.profiles:
+        typer.echo(f"profile {p.profile}:")
+        if p.error:
+            typer.echo(f"  {p.error}")
             continue
-        if not p["nodes"]:
+        if not p.nodes:
             typer.echo("  no nodes have joined; start llmgw agent on a node")
-        for n in p["nodes"]:
-            mark = "chosen" if n["chosen"] else "not chosen"
-            typer.echo(f"  {n['node']}: {mark}" + ("" if not n["reasons"] else ": " + "; ".join(n["reasons"])))
+        for n in p.nodes:
+            mark = "chosen" if n.chosen else "not chosen"
+            typer.echo(f"  {n.node}: {mark}" + ("" if not n.reasons else ": " + "; ".join(n.reasons)))
 
 
 # Registered last: it uses the helpers above.

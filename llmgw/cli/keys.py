@@ -9,26 +9,35 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta, timezone
-from typing import TypeVar
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
 from llmgw.cli.common import err, fail, print_table, resolve_store, when
-from llmgw.store import Ambiguous, IssuedKey, NotFound, NotMember, Store, StoreError
-from llmgw.store.tenancy import UNSET
+
+if TYPE_CHECKING:
+    from llmgw.store import Store
+
+# The store (and SQLAlchemy under it) is imported inside the commands: every
+# `llmgw` process loads this module, the agent's included, and none but these
+# commands needs the store.
 
 T = TypeVar("T")
 
 app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
 
-STORE_HELP = "Store address (path, postgres:// URL or @file); default: auth.store of --config, else /var/lib/llmgw/llmgw.db."
+STORE_HELP = (
+    "Store address (path, postgres:// URL or @file); default: auth.store of --config, else /var/lib/llmgw/llmgw.db."
+)
 CONFIG_HELP = "server.yaml whose auth.store to use (default /etc/llmgw/server.yaml when it exists)."
 
 
 def with_store(store: str | None, config: str | None, op: Callable[[Store], Awaitable[T]]) -> T:
     """Open the store (saying which setting chose it when that fails), run op, close."""
     address, chosen_by = resolve_store(store, config)
+
+    from llmgw.store import Store, StoreError
 
     async def run() -> T:
         try:
@@ -53,8 +62,13 @@ def _parse_duration(flag: str, text: str, allow_never: bool = True) -> timedelta
         never = " (0 never expires)" if allow_never else ""
         fail(f'{flag} "{text}" is not a lifetime; write it like 12h, 30d or 8w{never}')
     n, unit = int(m.group(1)), m.group(2)
-    return timedelta(minutes=n) if unit == "m" else timedelta(hours=n) if unit == "h" else \
-        timedelta(days=n * (7 if unit == "w" else 1))
+    return (
+        timedelta(minutes=n)
+        if unit == "m"
+        else timedelta(hours=n)
+        if unit == "h"
+        else timedelta(days=n * (7 if unit == "w" else 1))
+    )
 
 
 def _parse_lifetime(text: str) -> timedelta | None:
@@ -65,13 +79,19 @@ def _parse_lifetime(text: str) -> timedelta | None:
 def create(
     name_arg: str = typer.Argument(None, metavar="NAME", help="What the key is for, e.g. 'ci-bot' or 'alice laptop'."),
     name: str = typer.Option(None, "--name", "-n", help="The same as NAME."),
-    project: str = typer.Option(None, "--project", help="Project (id, path or unique name); may be left out when there is exactly one."),
-    for_: str = typer.Option(None, "--for", help="The person (id or email) the key is for; without --project, a personal key."),
+    project: str = typer.Option(
+        None, "--project", help="Project (id, path or unique name); may be left out when there is exactly one."
+    ),
+    for_: str = typer.Option(
+        None, "--for", help="The person (id or email) the key is for; without --project, a personal key."
+    ),
     band: str = typer.Option(None, "--band", help="Admission band: low, normal or high; empty inherits."),
     expires_in: str = typer.Option("0", "--expires-in", help="Lifetime such as 12h, 30d, 8w; 0 never expires."),
     claim: bool = typer.Option(False, "--claim", help="Print a one-time claim link instead of the secret."),
     claim_ttl: str = typer.Option("7d", "--claim-ttl", help="How long the claim link works, e.g. 48h or 7d."),
-    base_url: str = typer.Option("http://localhost:8080", "--base-url", help="The gateway's public address, for the claim link."),
+    base_url: str = typer.Option(
+        "http://localhost:8080", "--base-url", help="The gateway's public address, for the claim link."
+    ),
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
@@ -83,7 +103,9 @@ def create(
         fail("give the key a name: llmgw keys create NAME")
     lifetime = _parse_lifetime(expires_in)
     ttl = _parse_duration("--claim-ttl", claim_ttl, allow_never=False) if claim else None
-    expires = datetime.now(timezone.utc) + lifetime if lifetime else None
+    expires = datetime.now(UTC) + lifetime if lifetime else None
+
+    from llmgw.store import Ambiguous, IssuedKey, NotFound, NotMember, StoreError
 
     async def make(s: Store):
         tree = await s.tree()
@@ -92,8 +114,15 @@ def create(
             secret, rec = await s.create_key(key_name, project=project, expires_at=expires)
             return IssuedKey(secret, rec, rec.project, None)
         try:
-            return await s.issue_key(key_name, project=project, owner=for_, band=band, expires_at=expires,
-                                     claim=claim, **({"claim_ttl": ttl} if ttl else {}))
+            return await s.issue_key(
+                key_name,
+                project=project,
+                owner=for_,
+                band=band,
+                expires_at=expires,
+                claim=claim,
+                **({"claim_ttl": ttl} if ttl else {}),
+            )
         except StoreError as exc:
             if project and not isinstance(exc, (NotFound, Ambiguous, NotMember)):
                 raise StoreError(f"creating the key in {project}: {exc}") from None
@@ -130,13 +159,14 @@ def list_(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """List API keys: id, name, visible prefix, project, owner, state and when last used. Secrets are never shown."""
+
     async def read(s: Store):
         tree = await s.tree(people=True)
         proj = await s.find("project", project) if project else None
         return tree, proj, await s.list_keys(include_revoked=True)
 
     tree, proj, keys = with_store(store, config, read)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     rows = []
     for k in keys:
         if proj is not None and k.project_id != proj.id:
@@ -177,6 +207,8 @@ def revoke(
 
 
 def _models(text: str | None):
+    from llmgw.store.tenancy import UNSET
+
     if text is None:
         return UNSET
     return [m.strip() for m in text.split(",") if m.strip()]
@@ -186,17 +218,24 @@ def _models(text: str | None):
 def limits_(
     scope: str = typer.Option("project", "--scope", help="org, team, project, user or key."),
     id_: str = typer.Option("", "--id", help="Which one: id, path or name (a person's id or email; a key's id)."),
-    per_member: bool = typer.Option(False, "--per-member", help="A limit for each member there, not one shared by all (org, team, project)."),
+    per_member: bool = typer.Option(
+        False, "--per-member", help="A limit for each member there, not one shared by all (org, team, project)."
+    ),
     rpm: int = typer.Option(None, "--rpm", help="Requests per minute."),
     tpm: int = typer.Option(None, "--tpm", help="Tokens per minute."),
     budget: float = typer.Option(None, "--budget", help="Spend per period, in whole units (stored as micro-units)."),
     period: str = typer.Option(None, "--period", help="The budget's period: day or month (default month)."),
     models: str = typer.Option(None, "--models", help="Allowed models, comma-separated; empty allows none."),
-    band: str = typer.Option(None, "--band", help="Admission band (low, normal, high) for an org, team, project or key."),
+    band: str = typer.Option(
+        None, "--band", help="Admission band (low, normal, high) for an org, team, project or key."
+    ),
     clear: bool = typer.Option(False, "--clear", help="Remove every limit of the level."),
     allow_large_budget: bool = typer.Option(
-        False, "--allow-large-budget", help="Accept a budget of a million units or more (refused otherwise, as "
-        "that is usually a budget given in micro-units)."),
+        False,
+        "--allow-large-budget",
+        help="Accept a budget of a million units or more (refused otherwise, as "
+        "that is usually a budget given in micro-units).",
+    ),
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
@@ -214,9 +253,11 @@ def limits_(
             fail(f"--budget must be a number of at least 0, not {budget}")
         # Budgets were once given in micro-units; a number that large is almost always that.
         if budget >= 1_000_000 and not allow_large_budget:
-            fail(f"--budget is in whole units (dollars, euros, credits), not micro-units: {budget:.0f} would allow "
-                 f"{budget:,.0f} a {period or 'month'}. If you meant {budget / 1_000_000:g}, write --budget "
-                 f"{budget / 1_000_000:g}; if you really mean {budget:,.0f}, add --allow-large-budget")
+            fail(
+                f"--budget is in whole units (dollars, euros, credits), not micro-units: {budget:.0f} would allow "
+                f"{budget:,.0f} a {period or 'month'}. If you meant {budget / 1_000_000:g}, write --budget "
+                f"{budget / 1_000_000:g}; if you really mean {budget:,.0f}, add --allow-large-budget"
+            )
         micros = budget * 1_000_000
         if abs(micros - round(micros)) > 1e-6:
             fail(f"--budget {budget:g} is finer than a millionth of a unit; give at most 6 decimals")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -34,8 +33,9 @@ def _manager(root: str, allow_local_sources: bool = False):
     from llmgw.mirror.huggingface import DEFAULT_ENDPOINT
 
     # The variable huggingface_hub reads, so an internal Hugging Face mirror serves both.
-    return Manager(root, hf_endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT,
-                   allow_local_sources=allow_local_sources)
+    return Manager(
+        root, hf_endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT, allow_local_sources=allow_local_sources
+    )
 
 
 @app.callback()
@@ -144,25 +144,46 @@ _MODEL = typer.Option(None, "--model", help="The model's name, one directory lev
 _VERSION = typer.Option(None, "--version", help="One directory level; a date works well.")
 _AS = typer.Option(None, "--as", help="File name to keep it under (default: the URL's last path element).")
 _ANYWAY = typer.Option(False, "--anyway", help="Keep a GGUF whose architecture llama.cpp may not load.")
-_ADD_BASE = typer.Option(None, "--base", help="This mirror's address for the source: line (default http://<this host>:8081).")
+_ADD_BASE = typer.Option(
+    None, "--base", help="This mirror's address for the source: line (default http://<this host>:8081)."
+)
 _DIR_OPT = typer.Option(None, "--dir", help=_DIR_HELP)
-_ALLOW_LOCAL = typer.Option(False, "--allow-local-sources",
-                            help="Fetch from this machine's loopback and link-local addresses too (refused by default: "
-                                 "what the mirror fetches, it serves to anyone who reaches its byte port).")
+_ALLOW_LOCAL = typer.Option(
+    False,
+    "--allow-local-sources",
+    help="Fetch from this machine's loopback and link-local addresses too (refused by default: "
+    "what the mirror fetches, it serves to anyone who reaches its byte port).",
+)
 
 
 @app.command("add")
-def add(ctx: typer.Context, url: str = _URL, model: str = _MODEL, version: str = _VERSION, as_name: str = _AS,
-        anyway: bool = _ANYWAY, base: str = _ADD_BASE, dir: str = _DIR_OPT,
-        allow_local_sources: bool = _ALLOW_LOCAL) -> None:
+def add(
+    ctx: typer.Context,
+    url: str = _URL,
+    model: str = _MODEL,
+    version: str = _VERSION,
+    as_name: str = _AS,
+    anyway: bool = _ANYWAY,
+    base: str = _ADD_BASE,
+    dir: str = _DIR_OPT,
+    allow_local_sources: bool = _ALLOW_LOCAL,
+) -> None:
     """Fetch a file into <model>/<version>/ and print the source line for the catalog."""
     _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources)
 
 
 @app.command("fetch", hidden=True)
-def fetch(ctx: typer.Context, url: str = _URL, model: str = _MODEL, version: str = _VERSION, as_name: str = _AS,
-          anyway: bool = _ANYWAY, base: str = _ADD_BASE, dir: str = _DIR_OPT,
-          allow_local_sources: bool = _ALLOW_LOCAL) -> None:
+def fetch(
+    ctx: typer.Context,
+    url: str = _URL,
+    model: str = _MODEL,
+    version: str = _VERSION,
+    as_name: str = _AS,
+    anyway: bool = _ANYWAY,
+    base: str = _ADD_BASE,
+    dir: str = _DIR_OPT,
+    allow_local_sources: bool = _ALLOW_LOCAL,
+) -> None:
     """Another name for add."""
     _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources)
 
@@ -187,16 +208,20 @@ def list_(ctx: typer.Context, dir: str = _DIR_OPT) -> None:
 
 
 @app.command("unused")
-def unused(ctx: typer.Context, server: str = typer.Option(DEFAULT_SERVER, "--server", help=_SERVER_HELP),
-           token_file: TokenFileOpt = None,
-           base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP), dir: str = _DIR_OPT) -> None:
+def unused(
+    ctx: typer.Context,
+    server: str = typer.Option(DEFAULT_SERVER, "--server", help=_SERVER_HELP),
+    token_file: TokenFileOpt = None,
+    base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP),
+    dir: str = _DIR_OPT,
+) -> None:
     """Files no catalog entry refers to."""
-    from llmgw.mirror.api import CatalogError, is_referenced, references
+    from llmgw.mirror.api import CatalogUnreadable, is_referenced, references
 
     root = _dir(ctx, dir)
     try:
         sources = _catalog_sources(server, token_file)
-    except CatalogError as exc:
+    except CatalogUnreadable as exc:
         fail(f"cannot read the catalog, so nothing can be called unused: {exc}")
 
     async def op(mgr):
@@ -210,20 +235,26 @@ def unused(ctx: typer.Context, server: str = typer.Option(DEFAULT_SERVER, "--ser
         return
     _print_table(left)
     typer.echo(f"\n{_size(sum(r[3] for r in left))} in {len(left)} files that no model refers to.")
-    typer.echo("Before deleting: a node that has to refetch one of these will not be able to. "
-               "Retire the catalog entry first, let the fleet settle, then remove.")
+    typer.echo(
+        "Before deleting: a node that has to refetch one of these will not be able to. "
+        "Retire the catalog entry first, let the fleet settle, then remove."
+    )
 
 
 @app.command("remove")
-def remove(ctx: typer.Context, model: str = typer.Option(None, "--model", help="The model's directory."),
-           version: str = typer.Option(None, "--version", help="The version's directory."),
-           file: str = typer.Option(None, "--file", help="The file to delete."),
-           force: bool = typer.Option(False, "--force", help="Remove without checking the catalog."),
-           server: str = typer.Option(DEFAULT_SERVER, "--server", help=_SERVER_HELP),
-           token_file: TokenFileOpt = None,
-           base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP), dir: str = _DIR_OPT) -> None:
+def remove(
+    ctx: typer.Context,
+    model: str = typer.Option(None, "--model", help="The model's directory."),
+    version: str = typer.Option(None, "--version", help="The version's directory."),
+    file: str = typer.Option(None, "--file", help="The file to delete."),
+    force: bool = typer.Option(False, "--force", help="Remove without checking the catalog."),
+    server: str = typer.Option(DEFAULT_SERVER, "--server", help=_SERVER_HELP),
+    token_file: TokenFileOpt = None,
+    base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP),
+    dir: str = _DIR_OPT,
+) -> None:
     """Delete one file of a version from the mirror, once no model refers to it."""
-    from llmgw.mirror.api import CatalogError, is_referenced, references
+    from llmgw.mirror.api import CatalogUnreadable, is_referenced, references
 
     root = _dir(ctx, dir)
     if not model or not version or not file:
@@ -231,9 +262,11 @@ def remove(ctx: typer.Context, model: str = typer.Option(None, "--model", help="
     if not force:
         try:
             sources = _catalog_sources(server, token_file)
-        except CatalogError as exc:
-            fail(f"cannot read the catalog to check whether this is still in use: {exc}\n"
-                 "  Pass --force to remove it anyway")
+        except CatalogUnreadable as exc:
+            fail(
+                f"cannot read the catalog to check whether this is still in use: {exc}\n"
+                "  Pass --force to remove it anyway"
+            )
         if is_referenced(references(sources, base), model, version, file):
             fail(f"a model still refers to {model}/{version}/{file}; retire the catalog entry first")
 
@@ -257,23 +290,43 @@ def _listen(flag: str, value: str):
 
 
 @app.command("serve")
-def serve(ctx: typer.Context,
-          listen: str = typer.Option(":8081", "--listen", help="Where nodes fetch bytes (read-only, no credentials)."),
-          api_listen: str = typer.Option(":8082", "--api-listen", help="The management API, for the control plane."),
-          base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP),
-          api_allow: list[str] = typer.Option(None, "--api-allow", help="A network filter: the address or network that may reach the API besides this machine (repeatable, comma lists allowed). Not a credential."),
-          api_token_file: str = typer.Option(None, "--api-token-file", help="The API's bearer token, made (mode 0600) when missing (default: <dir>.api-token, beside the directory)."),
-          api_name: list[str] = typer.Option(None, "--api-name", help="A further host name the API is reached by (repeatable); this machine's names and the --base host are known."),
-          tls_ca: str = typer.Option(None, "--tls-ca", help="TLS on the API; client certificates from this CA issued to a --tls-client name are a credential."),
-          tls_cert: str = typer.Option(None, "--tls-cert", help="The API's certificate."),
-          tls_key: str = typer.Option(None, "--tls-key", help="The API certificate's key."),
-          tls_client: list[str] = typer.Option(None, "--tls-client", help="A client certificate name that may use the API (repeatable; default control-plane)."),
-          allow_local_sources: bool = _ALLOW_LOCAL,
-          dir: str = _DIR_OPT) -> None:
+def serve(
+    ctx: typer.Context,
+    listen: str = typer.Option(":8081", "--listen", help="Where nodes fetch bytes (read-only, no credentials)."),
+    api_listen: str = typer.Option(":8082", "--api-listen", help="The management API, for the control plane."),
+    base: str = typer.Option(DEFAULT_BASE, "--base", help=_BASE_HELP),
+    api_allow: list[str] = typer.Option(
+        None,
+        "--api-allow",
+        help="A network filter: the address or network that may reach the API besides this machine (repeatable, comma lists allowed). Not a credential.",
+    ),
+    api_token_file: str = typer.Option(
+        None,
+        "--api-token-file",
+        help="The API's bearer token, made (mode 0600) when missing (default: <dir>.api-token, beside the directory).",
+    ),
+    api_name: list[str] = typer.Option(
+        None,
+        "--api-name",
+        help="A further host name the API is reached by (repeatable); this machine's names and the --base host are known.",
+    ),
+    tls_ca: str = typer.Option(
+        None,
+        "--tls-ca",
+        help="TLS on the API; client certificates from this CA issued to a --tls-client name are a credential.",
+    ),
+    tls_cert: str = typer.Option(None, "--tls-cert", help="The API's certificate."),
+    tls_key: str = typer.Option(None, "--tls-key", help="The API certificate's key."),
+    tls_client: list[str] = typer.Option(
+        None, "--tls-client", help="A client certificate name that may use the API (repeatable; default control-plane)."
+    ),
+    allow_local_sources: bool = _ALLOW_LOCAL,
+    dir: str = _DIR_OPT,
+) -> None:
     """Serve the weights (:8081) and the management API (:8082)."""
-    from llmgw.mirror.api import (DEFAULT_TLS_CLIENTS, ApiAccess, api_app, check_token_place, default_token_file,
-                                  ensure_token)
-    from llmgw.mirror.serve import ListenError, describe_api_access, manager_checksums, parse_allow, start_listeners, weights_app
+    from llmgw.mirror.api import DEFAULT_TLS_CLIENTS, ApiAccess, check_token_place, default_token_file, ensure_token
+    from llmgw.mirror.serve import ListenError, describe_api_access, parse_allow, serve_until_stopped
+    from llmgw.runtime import run_until_stopped
 
     root = _dir(ctx, dir)
     if not Path(root).is_dir():
@@ -307,35 +360,36 @@ def serve(ctx: typer.Context,
         fail(str(exc))
     allow_texts = [a.strip() for v in api_allow or [] for a in v.split(",") if a.strip()]
     api_line = describe_api_access(api_addr, allow_texts, str(token_file), tls_ca, clients)
-    access = ApiAccess(token=token, token_file=str(token_file),
-                       names=(api_addr.host, urlsplit(base).hostname or "", *(api_name or [])), tls_clients=clients)
+    access = ApiAccess(
+        token=token,
+        token_file=str(token_file),
+        names=(api_addr.host, urlsplit(base).hostname or "", *(api_name or [])),
+        tls_clients=clients,
+    )
+    if made:
+        typer.echo(
+            f"made the management API token {token_file} (mode 0600); the control plane needs a copy, "
+            "named by mirror.token_file in server.yaml"
+        )
 
-    async def run() -> None:
-        mgr = _manager(root, allow_local_sources=allow_local_sources)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        running = None
-        try:
-            api = api_app(mgr, root, base, access, allow=allow or None)
-            if made:
-                typer.echo(f"made the management API token {token_file} (mode 0600); the control plane needs a copy, "
-                           "named by mirror.token_file in server.yaml")
-            running = await start_listeners(Path(root), weights_app(root, manager_checksums(mgr)), addr,
-                                            api, api_addr, ssl_ctx, lambda s: typer.echo(s, nl=True), api_line)
-            typer.echo(f"catalog sources should point at {base}")
-            if allow_local_sources:
-                typer.echo("fetching from this machine's loopback and link-local addresses is allowed "
-                           "(--allow-local-sources)")
-            await stop.wait()
-        finally:
-            if running is not None:
-                await running.close()
-            await mgr.close()
+    async def main(stop: asyncio.Event) -> None:
+        await serve_until_stopped(
+            _manager(root, allow_local_sources=allow_local_sources),
+            Path(root),
+            base,
+            access,
+            addr,
+            api_addr,
+            stop,
+            api_line=api_line,
+            say=typer.echo,
+            allow=allow,
+            api_ssl=ssl_ctx,
+            allow_local_sources=allow_local_sources,
+        )
 
     try:
-        asyncio.run(run())
+        run_until_stopped(main)
     except ListenError as exc:
         fail(str(exc))
 
@@ -344,13 +398,21 @@ def serve(ctx: typer.Context,
 
 
 @app.command("init")
-def init(ctx: typer.Context,
-         control_plane: str = typer.Option(None, "--control-plane", help="The control plane's address; it alone may use the management API."),
-         unit_path: str = typer.Option("/etc/systemd/system/llmgw-mirror.service", "--unit-path", help="Where to write the unit."),
-         user: str = typer.Option("llmgw", "--user", help="The system user the mirror runs as."),
-         base: str = typer.Option(None, "--base", help="The address nodes use to reach this mirror (default http://<this host>:8081)."),
-         binary: str = typer.Option("/usr/local/bin/llmgw", "--binary", help="The llmgw executable the unit runs."),
-         dir: str = _DIR_OPT) -> None:
+def init(
+    ctx: typer.Context,
+    control_plane: str = typer.Option(
+        None, "--control-plane", help="The control plane's address; it alone may use the management API."
+    ),
+    unit_path: str = typer.Option(
+        "/etc/systemd/system/llmgw-mirror.service", "--unit-path", help="Where to write the unit."
+    ),
+    user: str = typer.Option("llmgw", "--user", help="The system user the mirror runs as."),
+    base: str = typer.Option(
+        None, "--base", help="The address nodes use to reach this mirror (default http://<this host>:8081)."
+    ),
+    binary: str = typer.Option("/usr/local/bin/llmgw", "--binary", help="The llmgw executable the unit runs."),
+    dir: str = _DIR_OPT,
+) -> None:
     """Set this machine up as a mirror: the user, the directory, and a systemd unit serving :8081 and :8082."""
     from llmgw.mirror.systemd import init_mirror
 
@@ -358,17 +420,26 @@ def init(ctx: typer.Context,
         fail("--control-plane is required: only that address may use the management API")
     root = _dir(ctx, dir)
     try:
-        res = init_mirror(control_plane=control_plane, dir=root, unit_path=unit_path, user=user,
-                          base=base or f"http://{socket.gethostname()}:8081", binary=binary, run=_runner)
+        res = init_mirror(
+            control_plane=control_plane,
+            dir=root,
+            unit_path=unit_path,
+            user=user,
+            base=base or f"http://{socket.gethostname()}:8081",
+            binary=binary,
+            run=_runner,
+        )
     except MirrorError as exc:
         fail(str(exc))
     for line in res.changed:
         typer.echo(line)
     if not res.changed:
         typer.echo("Nothing changed: " + "; ".join(res.unchanged) + ".")
-    typer.echo(f"\nThe management API needs the token in {res.token_file}. On the control plane, copy it to "
-               f"{CONTROL_PLANE_TOKEN} (mode 0600, owned by the user `llmgw server` runs as) and add to server.yaml:\n"
-               f"  mirror:\n    api: http://{_this_host(base)}:8082\n    token_file: {CONTROL_PLANE_TOKEN}")
+    typer.echo(
+        f"\nThe management API needs the token in {res.token_file}. On the control plane, copy it to "
+        f"{CONTROL_PLANE_TOKEN} (mode 0600, owned by the user `llmgw server` runs as) and add to server.yaml:\n"
+        f"  mirror:\n    api: http://{_this_host(base)}:8082\n    token_file: {CONTROL_PLANE_TOKEN}"
+    )
 
 
 def _this_host(base: str | None) -> str:
@@ -380,4 +451,3 @@ def _runner(argv: list[str]) -> tuple[int, str]:
     from llmgw.mirror.systemd import run_command
 
     return run_command(argv)
-

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from llmgw.cli.admin_client import ServerOpt, TokenFileOpt, admin_call, connect
+from llmgw.cli.admin_client import ServerOpt, TokenFileOpt, connect
+from llmgw.cli.ctl import call
+from llmgw.protocol.admin import Removed
 
 app = typer.Typer(help="The fleet's nodes.", no_args_is_help=True)
 
@@ -16,5 +18,5 @@ def remove(
     token_file: TokenFileOpt = None,
 ) -> None:
     """Forget a lost node (one that has not reported for control.lost_after); a node in any other state is refused."""
-    admin_call("DELETE", connect(server, token_file), f"/api/v1/nodes/{name}")
-    typer.echo(f"removed {name}")
+    got = call("DELETE", connect(server, token_file), f"/api/v1/nodes/{name}", Removed)
+    typer.echo(f"removed {got.removed}")

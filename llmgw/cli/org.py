@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -9,10 +11,13 @@ from rich.tree import Tree as RichTree
 
 from llmgw.cli.common import err, fail
 from llmgw.cli.keys import CONFIG_HELP, STORE_HELP, with_store
-from llmgw.store import Store, Tree
 
-app = typer.Typer(help="Organizations, teams and projects: the tree keys, people and limits hang on.",
-                  no_args_is_help=True)
+if TYPE_CHECKING:  # the store is imported by with_store, when a command runs
+    from llmgw.store import Store, Tree
+
+app = typer.Typer(
+    help="Organizations, teams and projects: the tree keys, people and limits hang on.", no_args_is_help=True
+)
 add_app = typer.Typer(help="Add an organization, a team or a project.", no_args_is_help=True)
 app.add_typer(add_app, name="add")
 
@@ -27,11 +32,16 @@ def _kind(kind: str) -> str:
 
 
 def _members(tree: Tree, scope: str, scope_id: str) -> str:
-    people = [(tree.users[m.user_id].email, m.role) for m in tree.memberships
-              if m.scope == scope and m.scope_id == scope_id and m.user_id in tree.users]
+    people = [
+        (tree.users[m.user_id].email, m.role)
+        for m in tree.memberships
+        if m.scope == scope and m.scope_id == scope_id and m.user_id in tree.users
+    ]
     if not people:
         return ""
-    return "  [dim]" + escape(", ".join(e + (" (manager)" if r == "manager" else "") for e, r in sorted(people))) + "[/]"
+    return (
+        "  [dim]" + escape(", ".join(e + (" (manager)" if r == "manager" else "") for e, r in sorted(people))) + "[/]"
+    )
 
 
 def render_tree(tree: Tree, people: bool) -> RichTree:
@@ -41,7 +51,9 @@ def render_tree(tree: Tree, people: bool) -> RichTree:
         for team in (t for t in tree.teams.values() if t.org_id == org.id):
             t = o.add(f"{escape(team.name)}  [dim]{team.id}[/]" + (_members(tree, "team", team.id) if people else ""))
             for proj in (p for p in tree.projects.values() if p.team_id == team.id):
-                t.add(f"{escape(proj.name)}  [dim]{proj.id}[/]" + (_members(tree, "project", proj.id) if people else ""))
+                t.add(
+                    f"{escape(proj.name)}  [dim]{proj.id}[/]" + (_members(tree, "project", proj.id) if people else "")
+                )
     return root
 
 
@@ -60,17 +72,45 @@ def tree_(
         def members(scope: str, sid: str) -> dict:
             if not people:
                 return {}
-            return {"members": [{"user": m.user_id, "email": tree.users[m.user_id].email if m.user_id in tree.users
-                                 else None, "role": m.role}
-                                for m in tree.memberships if m.scope == scope and m.scope_id == sid]}
+            return {
+                "members": [
+                    {
+                        "user": m.user_id,
+                        "email": tree.users[m.user_id].email if m.user_id in tree.users else None,
+                        "role": m.role,
+                    }
+                    for m in tree.memberships
+                    if m.scope == scope and m.scope_id == sid
+                ]
+            }
 
-        typer.echo(json.dumps([{
-            "id": o.id, "name": o.name, **members("org", o.id),
-            "teams": [{"id": t.id, "name": t.name, **members("team", t.id),
-                       "projects": [{"id": p.id, "name": p.name, "path": p.path, **members("project", p.id)}
-                                    for p in tree.projects.values() if p.team_id == t.id]}
-                      for t in tree.teams.values() if t.org_id == o.id],
-        } for o in tree.orgs.values()], indent=2))
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "id": o.id,
+                        "name": o.name,
+                        **members("org", o.id),
+                        "teams": [
+                            {
+                                "id": t.id,
+                                "name": t.name,
+                                **members("team", t.id),
+                                "projects": [
+                                    {"id": p.id, "name": p.name, "path": p.path, **members("project", p.id)}
+                                    for p in tree.projects.values()
+                                    if p.team_id == t.id
+                                ],
+                            }
+                            for t in tree.teams.values()
+                            if t.org_id == o.id
+                        ],
+                    }
+                    for o in tree.orgs.values()
+                ],
+                indent=2,
+            )
+        )
         return
     if not tree.orgs:
         err.print("no organizations yet; start with `llmgw org add org NAME`")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 
 import typer
 
@@ -15,12 +15,12 @@ def server(
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Run the gateway: the OpenAI-compatible API on `listen`, the admin API and metrics on `admin_listen`, metrics on `metrics_listen`."""
-    from llmgw.server.app import StartError, install_loop, serve_until_stopped, setup_logging
+    from llmgw.runtime import run_until_stopped, setup_logging
+    from llmgw.server.app import StartError, serve_until_stopped
 
     cfg = load_config_or_fail(config)
     setup_logging(log_level)
-    install_loop()
     try:
-        asyncio.run(serve_until_stopped(cfg))
+        run_until_stopped(partial(serve_until_stopped, cfg))
     except StartError as exc:
         fail(str(exc))

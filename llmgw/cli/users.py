@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 from llmgw.cli.common import err, fail, print_table
 from llmgw.cli.keys import CONFIG_HELP, STORE_HELP, with_store
-from llmgw.store import Store
-from llmgw.store.tenancy import describe_memberships
+
+if TYPE_CHECKING:  # the store is imported by with_store, when a command runs
+    from llmgw.store import Store
 
 app = typer.Typer(help="People: accounts, memberships in the tree, suspension.", no_args_is_help=True)
 
@@ -42,6 +45,7 @@ def list_(
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """List people: ID EMAIL STATE ADMIN MEMBER OF SIGNED UP."""
+
     async def read(s: Store):
         return await s.tree(people=True)
 
@@ -49,21 +53,47 @@ def list_(
     if as_json:
         import json
 
-        typer.echo(json.dumps([{
-            "id": u.id, "email": u.email, "name": u.name, "state": u.state, "admin": u.admin,
-            "created_at": u.created_at.isoformat(),
-            "member_of": [{"scope": m.scope, "id": m.scope_id, "role": m.role}
-                          for m in tree.memberships if m.user_id == u.id],
-        } for u in tree.users.values()], indent=2))
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "id": u.id,
+                        "email": u.email,
+                        "name": u.name,
+                        "state": u.state,
+                        "admin": u.admin,
+                        "created_at": u.created_at.isoformat(),
+                        "member_of": [
+                            {"scope": m.scope, "id": m.scope_id, "role": m.role}
+                            for m in tree.memberships
+                            if m.user_id == u.id
+                        ],
+                    }
+                    for u in tree.users.values()
+                ],
+                indent=2,
+            )
+        )
         return
     if not tree.users:
         err.print("no people yet; `llmgw users create EMAIL` adds one")
         return
-    print_table(("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP"), [
-        (u.id, u.email, u.state, "yes" if u.admin else "-",
-         describe_memberships(tree, [m for m in tree.memberships if m.user_id == u.id]) or "on their own",
-         f"{u.created_at:%Y-%m-%d}")
-        for u in tree.users.values()])
+    from llmgw.store.tenancy import describe_memberships
+
+    print_table(
+        ("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP"),
+        [
+            (
+                u.id,
+                u.email,
+                u.state,
+                "yes" if u.admin else "-",
+                describe_memberships(tree, [m for m in tree.memberships if m.user_id == u.id]) or "on their own",
+                f"{u.created_at:%Y-%m-%d}",
+            )
+            for u in tree.users.values()
+        ],
+    )
 
 
 @app.command("join")

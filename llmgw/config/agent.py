@@ -71,7 +71,9 @@ class VllmEngineConfig(_Block):
 class SglangEngineConfig(_Block):
     """SGLang on this node."""
 
-    python: str | None = Field(default=None, description="Interpreter of an SGLang environment to use instead of installing one.")
+    python: str | None = Field(
+        default=None, description="Interpreter of an SGLang environment to use instead of installing one."
+    )
 
 
 class EnginesConfig(_Block):
@@ -106,29 +108,38 @@ class AgentConfig(_Block):
     """agent.yaml."""
 
     server: str | None = Field(default=None, description="The control plane's agent address, e.g. cp.example:7443.")
-    servers: list[str] = Field(default_factory=list, description="Several control planes, tried in turn (after `server`).")
+    servers: list[str] = Field(
+        default_factory=list, description="Several control planes, tried in turn (after `server`)."
+    )
     tls: AgentTLS | None = Field(
         default_factory=AgentTLS,
         description="Mutual TLS with the control plane; null means plaintext, for one trusted machine only.",
     )
     node_id: str | None = Field(default=None, description="Default: the hostname (the certificate's common name).")
-    mgmt_addr: str | None = Field(default=None, description="Default: the address the kernel uses towards the control plane.")
+    mgmt_addr: str | None = Field(
+        default=None, description="Default: the address the kernel uses towards the control plane."
+    )
     mgmt_interface: str | None = Field(default=None, description="Default: the interface holding mgmt_addr.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels for profiles' node_selector.")
-    model_dirs: list[str] = Field(default_factory=list, description="Where weights may already be; the weights cache is always added.")
+    model_dirs: list[str] = Field(
+        default_factory=list, description="Where weights may already be; the weights cache is always added."
+    )
     weights_cache: str = Field(default="/var/lib/llmgw-weights", description="Where fetched weights land.")
     engines_dir: str = Field(default="/opt/llmgw/engines", description="Where engines are installed.")
     fabrics: list[FabricDecl] = Field(default_factory=list, description="Fabrics this node's adapters belong to.")
     heartbeat_interval: Duration = Field(default=5.0, description="How often the node reports.")
     reconnect_base: Duration = Field(default=1.0, description="First wait before reconnecting (jittered).")
     reconnect_max: Duration = Field(default=30.0, description="Longest wait before reconnecting.")
-    release_base: str | None = Field(default=None, description="Where llama.cpp release archives are fetched; default GitHub or what the control plane names.")
+    release_base: str | None = Field(
+        default=None,
+        description="Where llama.cpp release archives are fetched; default GitHub or what the control plane names.",
+    )
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     @model_validator(mode="after")
-    def _checks(self) -> "AgentConfig":
+    def _checks(self) -> AgentConfig:
         try:
             addresses = self.addresses()
         except ValueError as exc:
@@ -139,7 +150,9 @@ class AgentConfig(_Block):
         for i, f in enumerate(self.fabrics):
             for hca in f.hcas:
                 if hca in seen:
-                    raise ValueError(f"fabrics[{i}].hcas: {hca} is already on fabric {seen[hca]}; an adapter belongs to one fabric")
+                    raise ValueError(
+                        f"fabrics[{i}].hcas: {hca} is already on fabric {seen[hca]}; an adapter belongs to one fabric"
+                    )
                 seen[hca] = f.name
         return self
 
@@ -157,7 +170,8 @@ class AgentConfig(_Block):
             if parts.scheme != scheme:
                 raise ValueError(
                     f'"{raw}" is {parts.scheme} but TLS is {"configured" if self.tls else "off (tls: null)"}; '
-                    "every address must match the TLS setting")
+                    "every address must match the TLS setting"
+                )
             if addr not in out:
                 out.append(addr)
         return out
@@ -168,5 +182,6 @@ def parse_agent_config(data: Any, source: str = "agent.yaml") -> AgentConfig:
 
 
 def load_agent_config(path: str | os.PathLike[str]) -> AgentConfig:
-    return parse_agent_config(read_yaml(path, "agent.yaml", empty="write at least `server: HOST:7443` in it"),
-                              str(path))
+    return parse_agent_config(
+        read_yaml(path, "agent.yaml", empty="write at least `server: HOST:7443` in it"), str(path)
+    )

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from llmgw.errors import LlmgwError
 
 
-class ConfigError(Exception):
+class ConfigError(LlmgwError):
     """A configuration file could not be used; the message says where and why."""
 
 
@@ -22,7 +25,7 @@ def format_loc(loc: Sequence[int | str]) -> str:
     return out or "(top level)"
 
 
-def _reason(err: dict) -> str:
+def _reason(err: ErrorDetails) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return "unknown key (check its spelling and where it sits; see docs/configuration.md)"
@@ -32,7 +35,7 @@ def _reason(err: dict) -> str:
     # pydantic prefixes custom errors with "Value error, "; the reason reads better without it.
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):
-            msg = msg[len(prefix):]
+            msg = msg[len(prefix) :]
     return msg
 
 

@@ -40,8 +40,10 @@ def read_yaml(path: str | os.PathLike[str], what: str, empty: str | None = None)
             loader.dispose()
     except ReaderError as exc:
         line, col = _line_col(text, exc.position)
-        raise ConfigError(f"{p}: holds the character U+{exc.character:04X} at line {line}, column {col}, "
-                          "which YAML does not allow; remove it") from None
+        raise ConfigError(
+            f"{p}: holds the character U+{exc.character:04X} at line {line}, column {col}, "
+            "which YAML does not allow; remove it"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -62,8 +64,10 @@ def _decode(p: Path, raw: bytes) -> str:
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise ConfigError(f"{p}: is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column {col} "
-                          f"(byte offset {exc.start}); save the file as UTF-8") from None
+        raise ConfigError(
+            f"{p}: is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column {col} "
+            f"(byte offset {exc.start}); save the file as UTF-8"
+        ) from None
 
 
 def _line_col(text: str, position: int) -> tuple[int, int]:
@@ -87,8 +91,11 @@ def _refuse_duplicates(p: Path, node: yaml.Node, where: str = "", walked: set[in
             if first is not key.start_mark:
                 inside = f" in {where}" if where else ""
                 a, b = first.line + 1, key.start_mark.line + 1
-                at = (f"at lines {a} and {b}" if a != b
-                      else f"at line {a}, columns {first.column + 1} and {key.start_mark.column + 1}")
+                at = (
+                    f"at lines {a} and {b}"
+                    if a != b
+                    else f"at line {a}, columns {first.column + 1} and {key.start_mark.column + 1}"
+                )
                 raise ConfigError(f'{p}: "{key.value}" appears twice{inside}, {at}; keep one')
             _refuse_duplicates(p, value, f"{where}.{key.value}" if where else key.value, walked)
     elif isinstance(node, yaml.SequenceNode):
@@ -100,7 +107,9 @@ def validate(model: type[M], data: Any, source: str, example_keys: str) -> M:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the file should hold a mapping of keys ({example_keys} ...), not a {type(data).__name__}")
+        raise ConfigError(
+            f"{source}: the file should hold a mapping of keys ({example_keys} ...), not a {type(data).__name__}"
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:

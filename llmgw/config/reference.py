@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -61,7 +62,8 @@ def _type_name(annotation: Any, info: FieldInfo) -> str:
 def _default(info: FieldInfo, kind: str = "") -> str:
     if info.default is PydanticUndefined:
         if info.default_factory is not None:
-            value = info.default_factory()
+            # No configuration field's factory takes the validated data.
+            value = cast(Callable[[], Any], info.default_factory)()
             if isinstance(value, BaseModel):
                 return ""
             return f"`{value!r}`" if value != [] else "`[]`"
@@ -110,8 +112,12 @@ def _walk(model: type[BaseModel], prefix: str, rows: list[tuple[str, str, str, s
 
 _SECTIONS = (
     ("server.yaml", ServerConfig, "The gateway (`llmgw server --config`). See `examples/server.yaml`."),
-    ("agent.yaml", AgentConfig, "The node agent (`llmgw agent --config`). A plain node's file holds only "
-     "`server` (or `servers`) and `tls`; every other key overrides what the agent finds out for itself."),
+    (
+        "agent.yaml",
+        AgentConfig,
+        "The node agent (`llmgw agent --config`). A plain node's file holds only "
+        "`server` (or `servers`) and `tls`; every other key overrides what the agent finds out for itself.",
+    ),
 )
 
 

@@ -20,6 +20,8 @@ from llmgw.config.types import ByteSize, Duration, Listen, ListenAddress, parse_
 
 DEFAULT_STORE = "/var/lib/llmgw/llmgw.db"
 DEFAULT_DATA_DIR = "/var/lib/llmgw"
+# The first admin token, in data_dir: written by the server, read by `llmgw ctl`.
+ADMIN_TOKEN_FILE = "admin-token"
 DEFAULT_CONFIG_PATH = "/etc/llmgw/server.yaml"
 # The llama.cpp release nodes install unless server.yaml's engines: says otherwise.
 DEFAULT_LLAMACPP = "b10991"
@@ -70,8 +72,10 @@ class EndpointConfig(_Block):
         path = v[1:].strip() if v.startswith("@") else ""
         if not path.startswith("/"):
             # The value itself is never echoed: it may be the key.
-            raise ValueError("must be @/path/to/file naming the file that holds the key, not the key itself: "
-                             "server.yaml and the catalog are shown by `ctl` and the admin API")
+            raise ValueError(
+                "must be @/path/to/file naming the file that holds the key, not the key itself: "
+                "server.yaml and the catalog are shown by `ctl` and the admin API"
+            )
         return "@" + path
 
     @field_validator("url")
@@ -122,11 +126,15 @@ def _check_source(v: str) -> str:
     if kind == "hf":
         segments = v[3:].split("/")
         if len(segments) < 3 or any(seg in ("", ".", "..") for seg in segments) or "\\" in v:
-            raise ValueError(f'"{v}" is not hf:ORG/REPO/FILE (a set of files comes from the mirror, as a URL ending in /)')
+            raise ValueError(
+                f'"{v}" is not hf:ORG/REPO/FILE (a set of files comes from the mirror, as a URL ending in /)'
+            )
     elif kind in ("url", "set"):
         parts = urlsplit(v)
         if parts.scheme.lower() not in ("http", "https"):
-            raise ValueError(f'"{v}" uses {parts.scheme}://, which a node cannot fetch; use http(s)://, hf:ORG/REPO/FILE, a path or a model id')
+            raise ValueError(
+                f'"{v}" uses {parts.scheme}://, which a node cannot fetch; use http(s)://, hf:ORG/REPO/FILE, a path or a model id'
+            )
         if not parts.hostname:
             raise ValueError(f'"{v}" has no host; write it as http://HOST[:PORT]/PATH')
         try:
@@ -145,13 +153,18 @@ def _check_source(v: str) -> str:
 class ScalingConfig(_Block):
     """How many replicas run."""
 
-    min: int = Field(default=1, ge=0, description="Replicas always running; 0 loads one on the first request (on demand).")
+    min: int = Field(
+        default=1, ge=0, description="Replicas always running; 0 loads one on the first request (on demand)."
+    )
     max: int = Field(
-        default=None, ge=0, validate_default=False,
+        default=None,
+        ge=0,
+        validate_default=False,
         description="Most replicas; 0 stops the model. Left out: the same as min, or 1 when min is 0.",
     )  # type: ignore[assignment]
     idle_timeout: Duration = Field(
-        default=DEFAULT_IDLE_TIMEOUT, description="An on-demand model (min 0) is stopped after this long without requests."
+        default=DEFAULT_IDLE_TIMEOUT,
+        description="An on-demand model (min 0) is stopped after this long without requests.",
     )
 
     @model_validator(mode="before")
@@ -166,7 +179,7 @@ class ScalingConfig(_Block):
         return data
 
     @model_validator(mode="after")
-    def _order(self) -> "ScalingConfig":
+    def _order(self) -> ScalingConfig:
         if self.max == 0 and self.min > 0:
             raise ValueError(f"max is 0 (stopped) but min is {self.min}; set min to 0 as well to stop the model")
         if 0 < self.max < self.min:
@@ -188,7 +201,8 @@ class ProfileConfig(_Block):
     name: str = Field(default="", description="Unique within the model; defaults to ENGINE-GPU_CLASS (or ENGINE-cpu).")
     engine: ProfileEngine = Field(description="llamacpp, vllm or sglang.")
     gpu_class: str | None = Field(
-        default=None, description="GPU class such as h100-80g (name and GiB the driver reports); absent means CPU, llamacpp only."
+        default=None,
+        description="GPU class such as h100-80g (name and GiB the driver reports); absent means CPU, llamacpp only.",
     )
     tp: int = Field(default=1, ge=1, le=64, description="Tensor-parallel size: GPUs per replica across its nodes.")
     nodes: int = Field(default=1, ge=1, le=64, description="Nodes one replica spans (vLLM/SGLang only).")
@@ -196,7 +210,9 @@ class ProfileConfig(_Block):
     node_selector: dict[str, str] = Field(default_factory=dict, description="Labels a node must carry.")
     weight: float = Field(default=1.0, gt=0, description="Share of traffic relative to the model's other profiles.")
     args: list[str] = Field(default_factory=list, description="Extra engine arguments, e.g. [--no-jinja].")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine, e.g. NCCL variables.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment for the engine, e.g. NCCL variables."
+    )
     startup_timeout: Duration = Field(
         default=1800.0,
         description="A replica not ready this long after it was started (fetching its weights included) has failed.",
@@ -236,13 +252,15 @@ class ProfileConfig(_Block):
         return v
 
     @model_validator(mode="after")
-    def _rules(self) -> "ProfileConfig":
+    def _rules(self) -> ProfileConfig:
         if self.gpu_class is None and self.engine != "llamacpp":
             raise ValueError(
                 f"gpu_class is missing: {self.engine} needs a GPU; only llamacpp runs on CPU (gpu_class left out)"
             )
         if self.engine == "llamacpp" and (self.tp > 1 or self.nodes > 1):
-            raise ValueError("llamacpp runs a replica on one node without tensor parallelism; set tp and nodes to 1 or use vllm/sglang")
+            raise ValueError(
+                "llamacpp runs a replica on one node without tensor parallelism; set tp and nodes to 1 or use vllm/sglang"
+            )
         if self.startup_timeout <= 0:
             raise ValueError("startup_timeout must be longer than 0s")
         if self.tp % self.nodes:
@@ -276,9 +294,7 @@ class ModelConfig(_Block):
     name: str = Field(description="The catalog name clients send as `model`.")
     aliases: list[str] = Field(default_factory=list, description="Other names a client may send.")
     description: str | None = Field(default=None, description="Shown in /v1/models when set.")
-    max_output: int | None = Field(
-        default=None, gt=0, description="The largest max_tokens a request may ask for."
-    )
+    max_output: int | None = Field(default=None, gt=0, description="The largest max_tokens a request may ask for.")
     endpoints: list[EndpointConfig] = Field(
         default_factory=list, description="Engines already running that serve this model."
     )
@@ -292,7 +308,8 @@ class ModelConfig(_Block):
         default=None, description="Replica counts (models with profiles); left out: one replica always running."
     )
     profiles: list[ProfileConfig] = Field(
-        default_factory=list, description="How the control plane may run this model; with profiles, llmgw starts the engines."
+        default_factory=list,
+        description="How the control plane may run this model; with profiles, llmgw starts the engines.",
     )
     routing: Routing | None = Field(
         default=None,
@@ -319,7 +336,7 @@ class ModelConfig(_Block):
         return None if v is None else _check_source(v)
 
     @model_validator(mode="after")
-    def _kind(self) -> "ModelConfig":
+    def _kind(self) -> ModelConfig:
         if self.profiles and self.endpoints:
             raise ValueError(
                 f"{self.name}: give either profiles (llmgw runs the engines) or endpoints (engines already running), not both"
@@ -331,14 +348,18 @@ class ModelConfig(_Block):
                 )
             for key in ("source", "scaling"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"{self.name}: {key} applies only to a model with profiles; this one has only endpoints")
+                    raise ValueError(
+                        f"{self.name}: {key} applies only to a model with profiles; this one has only endpoints"
+                    )
             return self
         if self.source is None:
             raise ValueError(f"{self.name}: source is required with profiles; it says what the nodes load")
         seen: set[str] = set()
         for i, p in enumerate(self.profiles):
             if p.name in seen:
-                raise ValueError(f'profiles[{i}].name: "{p.name}" is used by another profile of {self.name}; give each a name')
+                raise ValueError(
+                    f'profiles[{i}].name: "{p.name}" is used by another profile of {self.name}; give each a name'
+                )
             seen.add(p.name)
             if p.engine == "llamacpp" and source_kind(self.source) == "model_id":
                 raise ValueError(
@@ -382,11 +403,13 @@ class AuthConfig(_Block):
         description="Price of every model pricing leaves out; null: those models cost nothing and no budget binds on them.",
     )
     default_rpm: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Requests per minute for a key no level limits; counted per key, never a shared pool. null: no default.",
     )
     default_tpm: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Tokens per minute for a key no level limits; counted per key, never a shared pool. null: no default.",
     )
 
@@ -410,12 +433,12 @@ class RouterConfig(_Block):
 
     max_body_bytes: ByteSize = Field(default=32 * 1024 * 1024, description="Largest request body read.")
     scrape_interval: Duration = Field(default=1.0, description="How often each engine's /metrics is read.")
-    metrics_stale_after: Duration = Field(
-        default=10.0, description="Scraped numbers older than this are marked stale."
-    )
+    metrics_stale_after: Duration = Field(default=10.0, description="Scraped numbers older than this are marked stale.")
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     retries: int = Field(
-        default=2, ge=0, le=10,
+        default=2,
+        ge=0,
+        le=10,
         description="Other endpoints tried when one fails before the first byte reached the client.",
     )
     routing: Routing = Field(
@@ -426,16 +449,22 @@ class RouterConfig(_Block):
         "least_loaded ignores the prompt; round_robin takes each endpoint in turn.",
     )
     session_load_factor: float = Field(
-        default=1.25, ge=1.0, le=100.0,
+        default=1.25,
+        ge=1.0,
+        le=100.0,
         description="prefix routing: an endpoint holding the prompt's start is preferred while its "
         "load (requests ahead) is at most (least load + 1) times this.",
     )
     prefix_block_chars: int = Field(
-        default=256, ge=16, le=65536,
+        default=256,
+        ge=16,
+        le=65536,
         description="prefix routing: prompts are compared in blocks of this many characters.",
     )
     prefix_cache_blocks: int = Field(
-        default=4096, ge=16, le=10_000_000,
+        default=4096,
+        ge=16,
+        le=10_000_000,
         description="prefix routing: block hashes remembered per endpoint (about 100 bytes each), oldest forgotten first.",
     )
 
@@ -464,7 +493,9 @@ class UsageConfig(_Block):
     flush_interval: Duration = Field(default=1.0, description="How often usage rows are written.")
     batch_size: int = Field(default=500, ge=1, description="Rows written per statement at most.")
     queue_limit: int = Field(
-        default=100_000, ge=100, description="Rows held in memory while the store is slow; beyond it rows are counted as dropped."
+        default=100_000,
+        ge=100,
+        description="Rows held in memory while the store is slow; beyond it rows are counted as dropped.",
     )
     final_flush: Duration = Field(
         default=5.0,
@@ -478,22 +509,27 @@ class AdmissionConfig(_Block):
     """Saturated models: requests wait their turn, highest band first, tenants in turn within a band."""
 
     enabled: bool = Field(
-        default=True, description="Hold requests in a per-model queue while the model's endpoints are saturated; false sends every request straight on."
+        default=True,
+        description="Hold requests in a per-model queue while the model's endpoints are saturated; false sends every request straight on.",
     )
     queue_timeout: Duration = Field(
         default=30.0, description="How long a request may wait for its turn before it is answered 503 with Retry-After."
     )
     max_queue: int = Field(
-        default=1000, ge=1,
+        default=1000,
+        ge=1,
         description="Requests waiting per model at most; when full, a waiter of the lowest band gives way (or the newcomer, when none is lower).",
     )
     healthy_waiting: float = Field(
-        default=8.0, gt=0,
+        default=8.0,
+        gt=0,
         description="Requests waiting inside one engine (its own queue, as its /metrics reports) that still count as healthy; "
         "a model is saturated when its ready endpoints' waiting requests reach this many per endpoint.",
     )
     kv_ceiling: float = Field(
-        default=0.9, gt=0, le=1,
+        default=0.9,
+        gt=0,
+        le=1,
         description="KV-cache use (0-1) that still counts as healthy; a model is saturated when its endpoints' mean use reaches it.",
     )
     retry_after: Duration = Field(
@@ -505,14 +541,20 @@ class AgentTLSConfig(_Block):
     """The agent listener's certificate, and the authority agents' certificates must come from."""
 
     ca: str = Field(default="/etc/llmgw/pki/ca.pem", description="The fleet's certificate authority.")
-    cert: str = Field(default="/etc/llmgw/pki/server.pem", description="This control plane's certificate; its names must hold every address agents dial.")
+    cert: str = Field(
+        default="/etc/llmgw/pki/server.pem",
+        description="This control plane's certificate; its names must hold every address agents dial.",
+    )
     key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
 
 
 class AdminTLSConfig(_Block):
     """TLS on the admin listener; a client certificate from the fleet's authority is then a credential too."""
 
-    ca: str = Field(default="/etc/llmgw/pki/ca.pem", description="The fleet's certificate authority; client certificates are checked against it.")
+    ca: str = Field(
+        default="/etc/llmgw/pki/ca.pem",
+        description="The fleet's certificate authority; client certificates are checked against it.",
+    )
     cert: str = Field(default="/etc/llmgw/pki/server.pem", description="The admin listener's certificate.")
     key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
     clients: list[str] = Field(
@@ -561,12 +603,14 @@ class MirrorConfig(_Block):
         return v
 
     @model_validator(mode="after")
-    def _credential(self) -> "MirrorConfig":
+    def _credential(self) -> MirrorConfig:
         # The mirror answers nothing without one, so a block without one could never work.
         if self.token_file is None and self.tls is None:
-            raise ValueError("the mirror's management API needs a credential: set token_file to a copy of the "
-                             "mirror's API token (`llmgw mirror init` says where it is, e.g. /srv/models.api-token), "
-                             "or tls with a client certificate the mirror accepts")
+            raise ValueError(
+                "the mirror's management API needs a credential: set token_file to a copy of the "
+                "mirror's API token (`llmgw mirror init` says where it is, e.g. /srv/models.api-token), "
+                "or tls with a client certificate the mirror accepts"
+            )
         return self
 
 
@@ -574,9 +618,13 @@ class ControlConfig(_Block):
     """The control plane: nodes connect and are driven from here."""
 
     enabled: bool = Field(default=False, description="Listen for node agents on agent_listen.")
-    unreachable_after: Duration = Field(default=15.0, description="A node with no message for this long is unreachable.")
+    unreachable_after: Duration = Field(
+        default=15.0, description="A node with no message for this long is unreachable."
+    )
     lost_after: Duration = Field(default=60.0, description="A node with no message for this long is lost.")
-    interval: Duration = Field(default=5.0, description="How often the reconciler compares what runs with what should run.")
+    interval: Duration = Field(
+        default=5.0, description="How often the reconciler compares what runs with what should run."
+    )
     base_backoff: Duration = Field(
         default=10.0, description="Wait after a model's replica failed to start; doubled on each failure in a row."
     )
@@ -600,20 +648,24 @@ class ControlConfig(_Block):
         return port_range(self.engine_ports)
 
     @model_validator(mode="after")
-    def _times(self) -> "ControlConfig":
+    def _times(self) -> ControlConfig:
         if not 0 < self.unreachable_after < self.lost_after:
-            raise ValueError(f"unreachable_after ({self.unreachable_after:g}s) must be above 0 and below "
-                             f"lost_after ({self.lost_after:g}s)")
+            raise ValueError(
+                f"unreachable_after ({self.unreachable_after:g}s) must be above 0 and below "
+                f"lost_after ({self.lost_after:g}s)"
+            )
         for key in ("interval", "base_backoff", "cold_start_wait"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be longer than 0s")
         if self.max_backoff < self.base_backoff:
-            raise ValueError(f"max_backoff ({self.max_backoff:g}s) is shorter than base_backoff ({self.base_backoff:g}s)")
+            raise ValueError(
+                f"max_backoff ({self.max_backoff:g}s) is shorter than base_backoff ({self.base_backoff:g}s)"
+            )
         return self
 
 
 def port_range(text: str) -> tuple[int, int]:
-    """"20000-29999" -> (20000, 29999); refuses anything else with the reason."""
+    """ "20000-29999" -> (20000, 29999); refuses anything else with the reason."""
     m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text or "")
     if not m:
         raise ValueError(f'"{text}" is not a port range; write FIRST-LAST, e.g. 20000-29999')
@@ -627,7 +679,9 @@ class EnginesConfig(_Block):
     """The engine versions every node converges on; null leaves an engine alone."""
 
     llamacpp: str | None = Field(default=DEFAULT_LLAMACPP, description="llama.cpp release tag installed on every node.")
-    vllm: str | None = Field(default=None, description="vLLM version installed on GPU nodes, e.g. 0.11.0; null: not installed.")
+    vllm: str | None = Field(
+        default=None, description="vLLM version installed on GPU nodes, e.g. 0.11.0; null: not installed."
+    )
     sglang: str | None = Field(default=None, description="SGLang version installed on GPU nodes; null: not installed.")
     release_url: str | None = Field(
         default=None,
@@ -670,7 +724,9 @@ class ServerConfig(_Block):
     metrics_listen: Listen | None = Field(
         default=parse_listen(":9091"), description="Prometheus metrics only; null turns it off."
     )
-    agent_listen: Listen = Field(default=parse_listen(":7443"), description="Node agents' stream (with control.enabled).")
+    agent_listen: Listen = Field(
+        default=parse_listen(":7443"), description="Node agents' stream (with control.enabled)."
+    )
     admin_tls: AdminTLSConfig | None = Field(
         default=None,
         description="TLS for admin_listen, accepting the fleet's client certificates named in clients "
@@ -712,13 +768,15 @@ class ServerConfig(_Block):
         return os.path.dirname(os.path.abspath(os.path.expanduser(store)))
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "ServerConfig":
+    def _unique_names(self) -> ServerConfig:
         seen: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for j, name in enumerate([m.name, *m.aliases]):
                 where = f"models[{i}].name" if j == 0 else f"models[{i}].aliases[{j - 1}]"
                 if name in seen:
-                    raise ValueError(f'{where}: "{name}" is already used by {seen[name]}; every name and alias must be unique')
+                    raise ValueError(
+                        f'{where}: "{name}" is already used by {seen[name]}; every name and alias must be unique'
+                    )
                 seen[name] = where
         listeners = {"listen": self.listen, "admin_listen": self.admin_listen}
         if self.metrics_listen is not None:
@@ -729,9 +787,11 @@ class ServerConfig(_Block):
             raise ValueError("control.lost_after must be longer than control.unreachable_after")
         if self.timeouts.first_byte < 2 * self.router.scrape_interval:
             # The first-byte check asks whether a probe sent in that time was answered.
-            raise ValueError(f"timeouts.first_byte ({self.timeouts.first_byte:g}s) must be at least twice "
-                             f"router.scrape_interval ({self.router.scrape_interval:g}s): engines are probed "
-                             "that often, and one that answers its probes is never cut")
+            raise ValueError(
+                f"timeouts.first_byte ({self.timeouts.first_byte:g}s) must be at least twice "
+                f"router.scrape_interval ({self.router.scrape_interval:g}s): engines are probed "
+                "that often, and one that answers its probes is never cut"
+            )
         ports: dict[int, str] = {}
         for key, addr in listeners.items():
             if addr.port in ports and _overlap(addr, listeners[ports[addr.port]]):
@@ -749,5 +809,7 @@ def parse_server_config(data: Any, source: str = "server.yaml") -> ServerConfig:
 
 
 def load_server_config(path: str | os.PathLike[str]) -> ServerConfig:
-    return parse_server_config(read_yaml(path, "server.yaml (see examples/server.yaml)",
-                                         empty="write `{}` in it to take every default"), str(path))
+    return parse_server_config(
+        read_yaml(path, "server.yaml (see examples/server.yaml)", empty="write `{}` in it to take every default"),
+        str(path),
+    )

@@ -25,16 +25,23 @@ import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 import orjson
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from llmgw.files import SecretFileError, new_token, read_secret_file, same_secret, token_digest, write_secret_file
 from llmgw.mirror.layout import MirrorError
 from llmgw.pki import peer_node_id
+from llmgw.protocol.admin import ModelsReply, Removed
+from llmgw.protocol.mirror_api import MirrorFetchRequest, MirrorFile, MirrorHealth, MirrorListing, MirrorVersion
 from llmgw.webguard import bearer_token, guard_for, machine_names
+
+if TYPE_CHECKING:
+    from llmgw.mirror.fetcher import FileStatus, VersionStatus
 
 FORBIDDEN = "this mirror is managed by its control plane only"
 TOKEN_PREFIX = "llmgw-mirror-"
@@ -62,26 +69,46 @@ def error_body(status: int, message: str, code: str) -> bytes:
 # ---------------------------------------------------------------- shapes
 
 
-def file_dict(f) -> dict:
-    d = {"name": f.name, "state": f.state, "bytes": f.size, "bytes_done": f.bytes_done,
-         "bytes_total": f.bytes_total}
-    for key in ("sha256", "reason", "source"):
-        if getattr(f, key, None):
-            d[key] = getattr(f, key)
-    return d
+def reply(body: BaseModel, status: int = 200) -> web.Response:
+    """A reply body as protocol.mirror_api defines it: a field left unset is absent."""
+    return web.json_response(body.model_dump(mode="json", exclude_unset=True), status=status, dumps=_dumps)
 
 
-def version_dict(vs) -> dict:
+def mirror_file(f: FileStatus) -> MirrorFile:
+    said = {key: getattr(f, key) for key in ("sha256", "reason", "source") if getattr(f, key, None)}
+    return MirrorFile(
+        name=f.name, state=f.state, bytes=f.size, bytes_done=f.bytes_done, bytes_total=f.bytes_total, **said
+    )
+
+
+def mirror_version(vs: VersionStatus) -> MirrorVersion:
     """A version as the API shows it: state (the worst of its files), sizes, files."""
-    files = [file_dict(f) for f in vs.files]
-    d = {"model": vs.model, "version": vs.version, "state": vs.state, "bytes": vs.size, "files": files}
+    v = MirrorVersion(
+        model=vs.model, version=vs.version, state=vs.state, bytes=vs.size, files=[mirror_file(f) for f in vs.files]
+    )
     if vs.state == "fetching":
-        d["bytes_done"] = sum(f.bytes_done or 0 for f in vs.files)
+        v.bytes_done = sum(f.bytes_done or 0 for f in vs.files)
         totals = [f.bytes_total for f in vs.files]
-        d["bytes_total"] = None if any(t is None for t in totals) else sum(totals)
+        v.bytes_total = None if any(t is None for t in totals) else sum(t or 0 for t in totals)
     if vs.reason:
-        d["reason"] = vs.reason
-    return d
+        v.reason = vs.reason
+    return v
+
+
+_FETCH_SHAPE = '{"source": URL, "model": NAME, "version": NAME}'
+
+
+def _fetch_refusal(exc: ValidationError) -> str:
+    """The first thing wrong with a fetch's body, in the words the API has always used."""
+    loc = exc.errors()[0]["loc"]
+    key = loc[0] if loc else None
+    if key in ("source", "model", "version"):
+        return f'"{key}" is required, as a string: {_FETCH_SHAPE}'
+    if key == "as":
+        return '"as" is a file name, a string'
+    if key == "anyway":
+        return '"anyway" is true or false'
+    return f"the body must be an object: {_FETCH_SHAPE}"
 
 
 def source_url(base: str, model: str, version: str, files: list[str]) -> str:
@@ -112,8 +139,10 @@ def default_token_file(root: str | os.PathLike[str]) -> Path:
     found from ``--dir`` alone by every command that needs it."""
     p = Path(os.path.abspath(root))
     if not p.name:
-        raise MirrorError(f"the mirror's directory is {p}, so there is no place beside it for the API token; "
-                          "pass --api-token-file PATH")
+        raise MirrorError(
+            f"the mirror's directory is {p}, so there is no place beside it for the API token; "
+            "pass --api-token-file PATH"
+        )
     return p.with_name(p.name + TOKEN_SUFFIX)
 
 
@@ -121,8 +150,10 @@ def check_token_place(path: str | os.PathLike[str], root: str | os.PathLike[str]
     """``path``, unless it lies inside ``root``, where the byte port would hand it to anyone."""
     p, r = Path(os.path.realpath(path)), Path(os.path.realpath(root))
     if p == r or r in p.parents:
-        raise MirrorError(f"--api-token-file {path} is inside the mirror's directory {root}, which the byte port "
-                          f"serves to anyone; keep it outside, e.g. {default_token_file(root)}")
+        raise MirrorError(
+            f"--api-token-file {path} is inside the mirror's directory {root}, which the byte port "
+            f"serves to anyone; keep it outside, e.g. {default_token_file(root)}"
+        )
     return Path(path)
 
 
@@ -135,9 +166,10 @@ def ensure_token(path: str | os.PathLike[str]) -> tuple[str, bool]:
         try:
             write_secret_file(p, token)
         except OSError as exc:
-            raise MirrorError(f"cannot create the API token file {p} ({exc.strerror or exc}); run as a user that "
-                              "may write there (`llmgw mirror init` makes it as root), or pass --api-token-file PATH"
-                              ) from None
+            raise MirrorError(
+                f"cannot create the API token file {p} ({exc.strerror or exc}); run as a user that "
+                "may write there (`llmgw mirror init` makes it as root), or pass --api-token-file PATH"
+            ) from None
         return token, True
     try:
         return read_secret_file(p), False
@@ -160,9 +192,11 @@ class ApiAccess:
     tls_clients: tuple[str, ...] = ()
 
     def how_to(self) -> str:
-        how = (f"the mirror's management API needs a credential: send 'Authorization: Bearer <token>' with the "
-               f"token in {self.token_file} on the mirror's machine (the control plane reads a copy of it named by "
-               "mirror.token_file in server.yaml)")
+        how = (
+            f"the mirror's management API needs a credential: send 'Authorization: Bearer <token>' with the "
+            f"token in {self.token_file} on the mirror's machine (the control plane reads a copy of it named by "
+            "mirror.token_file in server.yaml)"
+        )
         if self.tls_clients:
             how += f", or present a client certificate from the fleet's CA issued to {' or '.join(self.tls_clients)}"
         return how
@@ -182,9 +216,15 @@ class ApiAccess:
                 return "token"
             return None
 
-        return guard_for(machine_names(*self.names), authenticate, self.how_to(), _guard_error, OPEN_PATHS,
-                         names_hint="add others with `llmgw mirror serve --api-name NAME`",
-                         credential_code="credential_required").middleware()
+        return guard_for(
+            machine_names(*self.names),
+            authenticate,
+            self.how_to(),
+            _guard_error,
+            OPEN_PATHS,
+            names_hint="add others with `llmgw mirror serve --api-name NAME`",
+            credential_code="credential_required",
+        ).middleware()
 
 
 def _guard_error(status: int, message: str, code: str) -> web.Response:
@@ -210,8 +250,9 @@ def allow_list_middleware(allow: list[Network]):
 # ---------------------------------------------------------------- the app
 
 
-def api_app(manager, root: str | os.PathLike[str], base: str, access: ApiAccess, *,
-            allow: list[Network] | None = None) -> web.Application:
+def api_app(
+    manager, root: str | os.PathLike[str], base: str, access: ApiAccess, *, allow: list[Network] | None = None
+) -> web.Application:
     """The management API over ``manager`` (a llmgw.mirror.fetcher.Manager), behind ``access``.
 
     ``allow``: when given (even empty), only loopback and these networks reach it at all.
@@ -223,40 +264,33 @@ def api_app(manager, root: str | os.PathLike[str], base: str, access: ApiAccess,
     app = web.Application(middlewares=middlewares)
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"base": base, "models": [version_dict(v) for v in manager.list()]}, dumps=_dumps)
+        return reply(MirrorListing(base=base, models=[mirror_version(v) for v in manager.list()]))
 
     async def add(request: web.Request) -> web.Response:
         try:
             body = await request.json(loads=orjson.loads)
         except (ValueError, orjson.JSONDecodeError):
-            return error(400, 'the body is not JSON; send {"source": URL, "model": NAME, "version": NAME}')
-        if not isinstance(body, dict):
-            return error(400, 'the body must be an object: {"source": URL, "model": NAME, "version": NAME}')
-        for key in ("source", "model", "version"):
-            if not isinstance(body.get(key), str) or not body[key].strip():
-                return error(400, f'"{key}" is required, as a string: {{"source": URL, "model": NAME, "version": NAME}}')
-        as_name = body.get("as")
-        if as_name is not None and not isinstance(as_name, str):
-            return error(400, '"as" is a file name, a string')
-        anyway = body.get("anyway", False)
-        if not isinstance(anyway, bool):
-            return error(400, '"anyway" is true or false')
-        model, version = body["model"], body["version"]
+            return error(400, f"the body is not JSON; send {_FETCH_SHAPE}")
         try:
-            vs = await manager.fetch(body["source"], model, version, as_name=as_name or None, anyway=anyway)
+            req = MirrorFetchRequest.model_validate(body)
+        except ValidationError as exc:
+            return error(400, _fetch_refusal(exc))
+        model, version = req.model, req.version
+        try:
+            vs = await manager.fetch(req.source, model, version, as_name=req.as_ or None, anyway=req.anyway)
         except MirrorError as exc:
             held = manager.status(model, version)
             return error(409 if held is not None else 400, str(exc))
-        d = version_dict(vs)
-        d["url"] = source_url(base, model, version, [f.name for f in vs.files])
-        return web.json_response(d, status=202, dumps=_dumps)
+        v = mirror_version(vs)
+        v.url = source_url(base, model, version, [f.name for f in vs.files])
+        return reply(v, status=202)
 
     async def one(request: web.Request) -> web.Response:
         m, v = request.match_info["model"], request.match_info["version"]
         vs = manager.status(m, v)
         if vs is None:
             return error(404, f"the mirror holds no {m}/{v}")
-        return web.json_response(version_dict(vs), dumps=_dumps)
+        return reply(mirror_version(vs))
 
     async def remove(request: web.Request) -> web.Response:
         m, v = request.match_info["model"], request.match_info["version"]
@@ -266,14 +300,14 @@ def api_app(manager, root: str | os.PathLike[str], base: str, access: ApiAccess,
             await manager.remove(m, v)
         except MirrorError as exc:
             return error(409, str(exc))
-        return web.json_response({"removed": f"{m}/{v}"}, dumps=_dumps)
+        return reply(Removed(removed=f"{m}/{v}"))
 
     async def health(request: web.Request) -> web.Response:
         try:
             await asyncio.to_thread(os.listdir, root)
         except OSError as exc:
             return error(503, f"cannot read {root}: {exc.strerror or exc}")
-        return web.json_response({"status": "ok", "dir": str(root)}, dumps=_dumps)
+        return reply(MirrorHealth(status="ok", dir=str(root)))
 
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/models", add)
@@ -286,12 +320,18 @@ def api_app(manager, root: str | os.PathLike[str], base: str, access: ApiAccess,
 # ---------------------------------------------------------------- the control plane's catalog
 
 
-class CatalogError(Exception):
+class CatalogUnreadable(MirrorError):
     """The catalog could not be read."""
 
 
-def read_catalog_sources(server: str, *, tokens: Iterable[str] = (), verify: "ssl.SSLContext | bool" = True,
-                         timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> list[str]:
+def read_catalog_sources(
+    server: str,
+    *,
+    tokens: Iterable[str] = (),
+    verify: ssl.SSLContext | bool = True,
+    timeout: float = 10.0,
+    transport: httpx.BaseTransport | None = None,
+) -> list[str]:
     """Every model's ``source`` from the control plane's admin API (GET /api/v1/models),
     with the first of ``tokens`` (admin tokens, in the order found) that it accepts."""
     url = server if "://" in server else f"http://{server}"
@@ -304,17 +344,18 @@ def read_catalog_sources(server: str, *, tokens: Iterable[str] = (), verify: "ss
                 if resp.status_code != 401:
                     break
     except httpx.HTTPError as exc:
-        raise CatalogError(f"{url}: {exc or type(exc).__name__}") from None
+        raise CatalogUnreadable(f"{url}: {exc or type(exc).__name__}") from None
     if resp.status_code == 401:
-        raise CatalogError(f"{url} answered 401: it needs an admin token; pass --token-file or set "
-                           "LLMGW_ADMIN_TOKEN (on the control plane, its data_dir/admin-token is found by itself)")
+        raise CatalogUnreadable(
+            f"{url} answered 401: it needs an admin token; pass --token-file or set "
+            "LLMGW_ADMIN_TOKEN (on the control plane, its data_dir/admin-token is found by itself)"
+        )
     if resp.status_code != 200:
-        raise CatalogError(f"{url} answered {resp.status_code} {resp.reason_phrase}")
+        raise CatalogUnreadable(f"{url} answered {resp.status_code} {resp.reason_phrase}")
     try:
-        data = resp.json()
-        return [m["source"] for m in data["models"] if isinstance(m.get("source"), str)]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CatalogError(f"{url} did not answer with a list of models") from None
+        return [m.source for m in ModelsReply.model_validate(resp.json()).models if m.source is not None]
+    except (ValueError, ValidationError):
+        raise CatalogUnreadable(f"{url} did not answer with a list of models") from None
 
 
 def references(sources: Iterable[str], base: str) -> set[tuple[str, ...]]:
@@ -332,7 +373,7 @@ def references(sources: Iterable[str], base: str) -> set[tuple[str, ...]]:
         segs = [unquote(s) for s in urlsplit(source).path.split("/") if s]
         if segs[: len(prefix)] != prefix:
             continue
-        rest = tuple(segs[len(prefix):])
+        rest = tuple(segs[len(prefix) :])
         if len(rest) in (2, 3):
             refs.add(rest)
     return refs

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,15 +22,17 @@ from urllib.parse import unquote, urlsplit
 import httpx
 import orjson
 
-from llmgw.mirror import gguf, huggingface
-from llmgw.mirror.layout import MirrorError, check_segment, is_hidden, resolve_inside
+from llmgw import download, gguf
+from llmgw.download import Step
+from llmgw.files import replace_durably, write_atomic
+from llmgw.mirror import huggingface
+from llmgw.mirror.layout import MirrorError, check_segment, is_hidden
 from llmgw.mirror.sources import GuardedTransport, SourcePolicy
+from llmgw.paths import resolve_inside
 
 log = logging.getLogger(__name__)
 
 BOOK = ".llmgw.json"
-CHUNK = 1 << 20
-_CONTENT_RANGE = re.compile(r"^bytes\s+(\d+)-(\d+)/(\d+|\*)$")
 _RANK = {"present": 0, "fetching": 1, "failed": 2}
 
 
@@ -76,10 +77,10 @@ class _Flight:
     task: asyncio.Task | None = None
     done: int = 0
     total: int | None = None
-    hasher: "hashlib._Hash | None" = None  # sha256 of what is in the .part so far
+    hasher: hashlib._Hash | None = None  # sha256 of what is in the .part so far
 
 
-class _Failed(Exception):
+class _Failed(MirrorError):
     """A download failed for the reason in the message; remembered on disk."""
 
 
@@ -97,14 +98,13 @@ def _book_read(vdir: Path) -> dict:
 
 
 def _book_write(vdir: Path, data: dict) -> None:
-    # Written beside and renamed, so a crash leaves the old book or the new, never half.
-    tmp = vdir / f"{BOOK}.tmp"
-    tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
-    os.replace(tmp, vdir / BOOK)
+    # A crash leaves the old book or the new, never half.
+    write_atomic(vdir / BOOK, orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
 
 
 def _part(vdir: Path, name: str) -> Path:
-    return vdir / f".{name}.part"
+    # Hidden: a dot-name is never listed or served.
+    return download.part_path(vdir / name, hidden=True)
 
 
 def _name_from_url(url: str) -> str:
@@ -117,9 +117,16 @@ def _looks_html(head: bytes) -> bool:
 
 
 class Manager:
-    def __init__(self, root: Path, *, hf_endpoint: str = huggingface.DEFAULT_ENDPOINT,
-                 hf_token: str | None = None, architectures: frozenset[str] | None = None,
-                 timeout: float = 30.0, allow_local_sources: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        hf_endpoint: str = huggingface.DEFAULT_ENDPOINT,
+        hf_token: str | None = None,
+        architectures: frozenset[str] | None = None,
+        timeout: float = 30.0,
+        allow_local_sources: bool = False,
+    ) -> None:
         self.root = Path(root)
         self.hf_endpoint = hf_endpoint.rstrip("/")
         # The Hugging Face endpoint is the operator's own setting, so it is fetched from even on loopback.
@@ -135,8 +142,9 @@ class Manager:
             # httpx drops Authorization when a redirect leaves the host, so
             # the HF token never reaches the CDN HF redirects to. Every connection,
             # each redirect's too, goes only where the source policy allows.
-            self._client = httpx.AsyncClient(timeout=self.timeout, follow_redirects=True,
-                                             transport=GuardedTransport(self.sources))
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout, follow_redirects=True, transport=GuardedTransport(self.sources)
+            )
         return self._client
 
     async def close(self) -> None:
@@ -175,9 +183,10 @@ class Manager:
             with contextlib.suppress(OSError):
                 for entry in os.scandir(vdir):
                     if is_hidden(entry.name):
-                        if entry.name.endswith(".part") and len(entry.name) > 6:
+                        suffix = len(download.PART_SUFFIX)  # ".<name>.part", see _part
+                        if entry.name.endswith(download.PART_SUFFIX) and len(entry.name) > suffix + 1:
                             with contextlib.suppress(OSError):
-                                parts[entry.name[1:-5]] = entry.stat().st_size
+                                parts[entry.name[1:-suffix]] = entry.stat().st_size
                         continue
                     # A link may point anywhere; only what stays inside the root is ours to list.
                     if resolve_inside(self.root, model, version, entry.name) is None:
@@ -187,20 +196,34 @@ class Manager:
                             size = entry.stat().st_size
                             kept = book["files"].get(entry.name, {})
                             sha = kept.get("sha256") if kept.get("size") == size else None
-                            files[entry.name] = FileStatus(entry.name, "present", size=size, bytes_done=size,
-                                                           bytes_total=size, sha256=sha, source=kept.get("source"))
+                            files[entry.name] = FileStatus(
+                                entry.name,
+                                "present",
+                                size=size,
+                                bytes_done=size,
+                                bytes_total=size,
+                                sha256=sha,
+                                source=kept.get("source"),
+                            )
             for name, fail in book["failures"].items():
                 if name not in files and isinstance(fail, dict):
-                    files[name] = FileStatus(name, "failed", bytes_done=parts.get(name, 0),
-                                             reason=fail.get("reason"), source=fail.get("source"))
+                    files[name] = FileStatus(
+                        name,
+                        "failed",
+                        bytes_done=parts.get(name, 0),
+                        reason=fail.get("reason"),
+                        source=fail.get("source"),
+                    )
             for name, have in parts.items():
                 if name not in files:
-                    files[name] = FileStatus(name, "failed", bytes_done=have,
-                                             reason=f"interrupted at {have} bytes; fetch again to resume")
+                    files[name] = FileStatus(
+                        name, "failed", bytes_done=have, reason=f"interrupted at {have} bytes; fetch again to resume"
+                    )
         for (m, v, name), fl in self._flights.items():
             if (m, v) == (model, version):
-                files[name] = FileStatus(name, "fetching", bytes_done=fl.done, bytes_total=fl.total,
-                                         source=fl.want.source)
+                files[name] = FileStatus(
+                    name, "fetching", bytes_done=fl.done, bytes_total=fl.total, source=fl.want.source
+                )
         if not files:
             return None
         ordered = [files[n] for n in sorted(files)]
@@ -236,8 +259,9 @@ class Manager:
 
     # ------------------------------------------------------------ fetching
 
-    async def fetch(self, source: str, model: str, version: str, *, as_name: str | None = None,
-                    anyway: bool = False) -> VersionStatus:
+    async def fetch(
+        self, source: str, model: str, version: str, *, as_name: str | None = None, anyway: bool = False
+    ) -> VersionStatus:
         """Start bringing ``source`` into ``model/version``; returns at once (state fetching)."""
         check_segment(model, "--model")
         check_segment(version, "--version")
@@ -246,20 +270,22 @@ class Manager:
         wants = await self._resolve(source, as_name)
         current = self.status(model, version)
         if current is not None and current.state == "present":
-            raise MirrorError(f"{model}/{version} is already here; a version is never overwritten: "
-                              "add a new one beside it.")
+            raise MirrorError(
+                f"{model}/{version} is already here; a version is never overwritten: add a new one beside it."
+            )
         vdir = self._vdir(model, version)
         if vdir is None:
-            raise MirrorError(f"{model}/{version} leads outside the mirror's directory (a link?); "
-                              "remove the link or choose another name.")
+            raise MirrorError(
+                f"{model}/{version} leads outside the mirror's directory (a link?); "
+                "remove the link or choose another name."
+            )
         present = {f.name for f in current.files if f.state == "present"} if current else set()
         todo = [w for w in wants if w.name not in present]
         if not anyway:
             first = next((w for w in todo if w.name.lower().endswith(".gguf")), None)
             if first is not None and (model, version, first.name) not in self._flights:
                 headers = huggingface.auth_headers(self.hf_token) if first.hf else None
-                refusal = await gguf.check_gguf_url(first.url, self._http(), self.architectures,
-                                                    headers=headers)
+                refusal = await gguf.check_gguf_url(first.url, self._http(), self.architectures, headers=headers)
                 if refusal:
                     raise MirrorError(refusal)
         await asyncio.to_thread(vdir.mkdir, parents=True, exist_ok=True)
@@ -280,18 +306,29 @@ class Manager:
         if source.startswith("hf:"):
             hf = await huggingface.resolve(source, self._http(), endpoint=self.hf_endpoint, token=self.hf_token)
             if as_name is not None and len(hf.files) > 1:
-                raise MirrorError("--as names one file, but this is a set of shards whose names "
-                                  "llama.cpp relies on; leave --as out.")
-            return [_Want(name=as_name or f.name, url=f.url, source=f"hf:{hf.org}/{hf.repo}/{f.path}@{hf.commit}",
-                          size=f.size, sha256=f.sha256, hf=True) for f in hf.files]
+                raise MirrorError(
+                    "--as names one file, but this is a set of shards whose names llama.cpp relies on; leave --as out."
+                )
+            return [
+                _Want(
+                    name=as_name or f.name,
+                    url=f.url,
+                    source=f"hf:{hf.org}/{hf.repo}/{f.path}@{hf.commit}",
+                    size=f.size,
+                    sha256=f.sha256,
+                    hf=True,
+                )
+                for f in hf.files
+            ]
         if source.startswith(("http://", "https://")):
             # Refused now rather than as a failed download; each connection is checked again when made.
             await self.sources.check(source)
             name = as_name or _name_from_url(source)
             check_segment(name, "file name (from the URL; pass --as to choose one)")
             return [_Want(name=name, url=source, source=source)]
-        raise MirrorError(f"{source!r} is not a source the mirror can fetch; give an http(s):// URL "
-                          "or hf:ORG/REPO/FILE.")
+        raise MirrorError(
+            f"{source!r} is not a source the mirror can fetch; give an http(s):// URL or hf:ORG/REPO/FILE."
+        )
 
     async def _run(self, key: tuple[str, str, str], vdir: Path, fl: _Flight) -> None:
         name = key[2]
@@ -304,10 +341,15 @@ class Manager:
             log.info("mirror: %s/%s/%s is here (%d bytes, sha256 %s)", *key, size, sha)
         except asyncio.CancelledError:
             raise  # closing: the partial file stays and says "interrupted" after a restart
-        except Exception as exc:  # noqa: BLE001 - every failure is remembered with its reason
-            reason = str(exc) if isinstance(exc, (_Failed, MirrorError)) else (
-                f"the download of {fl.want.url} stopped at {fl.done} bytes "
-                f"({type(exc).__name__}: {exc}); fetch again to resume")
+        except Exception as exc:
+            reason = (
+                str(exc)
+                if isinstance(exc, MirrorError)
+                else (
+                    f"the download of {fl.want.url} stopped at {fl.done} bytes "
+                    f"({type(exc).__name__}: {exc}); fetch again to resume"
+                )
+            )
             log.warning("mirror: %s/%s/%s failed: %s", *key, reason)
             with contextlib.suppress(OSError):
                 book = _book_read(vdir)
@@ -332,67 +374,62 @@ class Manager:
         size = part.stat().st_size
         if w.sha256 and digest != w.sha256.lower():
             part.unlink(missing_ok=True)
-            raise _Failed(f"{w.name} has sha256 {digest} but Hugging Face lists {w.sha256}; "
-                          "nothing was kept: fetch again.")
+            raise _Failed(
+                f"{w.name} has sha256 {digest} but Hugging Face lists {w.sha256}; nothing was kept: fetch again."
+            )
         if target.exists():
-            raise _Failed(f"{target} appeared while downloading; a file is never overwritten, "
-                          "the download stays as its .part file.")
-        os.replace(part, target)
+            raise _Failed(
+                f"{target} appeared while downloading; a file is never overwritten, "
+                "the download stays as its .part file."
+            )
+        await asyncio.to_thread(replace_durably, part, target)
         return digest, size
 
     async def _attempt(self, part: Path, fl: _Flight) -> bool:
         """One GET, appending to ``part``. Returns True when it must start again from 0."""
         w = fl.want
-        have = part.stat().st_size if part.exists() else 0
-        if w.size is not None and have > w.size:
-            part.unlink()
-            have = 0
-        # identity: a compressed body would make lengths and ranges count other bytes.
-        headers = {"Accept-Encoding": "identity"}
+        have = download.resume_from(part, w.size)
+        headers = download.request_headers(have)
         if w.hf:
             headers.update(huggingface.auth_headers(self.hf_token))
-        if have:
-            headers["Range"] = f"bytes={have}-"
         async with self._http().stream("GET", w.url, headers=headers) as resp:
             code = resp.status_code
-            if code == 416 and have:
-                m = _CONTENT_RANGE.match("bytes 0-0/" + resp.headers.get("Content-Range", "").rsplit("/", 1)[-1])
-                if m and m.group(3) == str(have) and (w.size in (None, have)):
-                    fl.done = fl.total = have
-                    return False  # the partial was already the whole file
-                part.unlink()
+            answer = download.read_answer(
+                code, have, resp.headers.get("Content-Range"), resp.headers.get("Content-Length"), w.size
+            )
+            if code == 416 and answer.step is Step.WHOLE:
+                fl.done = fl.total = have
+                return False  # the partial was already the whole file
+            if code == 416 and answer.step is Step.RESTART:
+                part.unlink(missing_ok=True)
                 return True
             if w.hf and code in (401, 403):
                 raise _Failed(f"{w.source.split('@')[0]} is {huggingface.GATED_HINT}.")
-            if code >= 400:
+            if code >= 400 or answer.step is Step.OTHER:
                 raise _Failed(f"{w.url} answered {code} {resp.reason_phrase}; check the address and fetch again.")
             ctype = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
             if ctype == "text/html":
-                raise _Failed(f"{w.url} answered with a web page (text/html), not a model file; "
-                              "check the address (a Hugging Face page needs /resolve/, not /blob/).")
-            if code == 206:
-                m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", "").strip())
-                if not m or int(m.group(1)) != have:
-                    # The server sent some other range: what we hold cannot be extended by it.
-                    part.unlink(missing_ok=True)
-                    return True
-                total = None if m.group(3) == "*" else int(m.group(3))
-                mode = "ab"
-            else:
-                # No Range asked, or the server ignored it: the body is the whole file.
-                have, mode = 0, "wb"
-                length = resp.headers.get("Content-Length")
-                total = int(length) if length and length.isdigit() else None
-            if total is None:
-                total = w.size
-            if w.size is not None and total != w.size:
-                raise _Failed(f"{w.url} is {total} bytes but Hugging Face lists {w.size}; fetch again.")
+                raise _Failed(
+                    f"{w.url} answered with a web page (text/html), not a model file; "
+                    "check the address (a Hugging Face page needs /resolve/, not /blob/)."
+                )
+            if answer.step is Step.RESTART:
+                # The server sent some other range: what we hold cannot be extended by it.
+                log.info("mirror: %s %s; starting again", w.url, answer.why)
+                part.unlink(missing_ok=True)
+                return True
+            if answer.step is Step.WRONG_LENGTH:
+                raise _Failed(f"{w.url} is {answer.total} bytes but Hugging Face lists {w.size}; fetch again.")
+            total, have = answer.total, answer.have
+            mode = "ab" if answer.step is Step.APPEND else "wb"
             fl.done, fl.total = have, total
             if total is not None:
-                free = shutil.disk_usage(part.parent).free
-                if total - have > free:
-                    raise _Failed(f"{w.name} needs {(total - have) / 1e9:.1f} GB more but {part.parent} has "
-                                  f"{free / 1e9:.1f} GB free; free some space and fetch again.")
+                free = download.lacking_space(part.parent, total - have)
+                if free is not None:
+                    raise _Failed(
+                        f"{w.name} needs {(total - have) / 1e9:.1f} GB more but {part.parent} has "
+                        f"{free / 1e9:.1f} GB free; free some space and fetch again."
+                    )
             # Hashed while written; a resumed file hashes its prefix first, once.
             fl.hasher = await asyncio.to_thread(_sha256_prefix, part) if mode == "ab" else hashlib.sha256()
             f = await asyncio.to_thread(open, part, mode)
@@ -402,14 +439,12 @@ class Manager:
                     if first:
                         first = False
                         if _looks_html(chunk):
-                            raise _Failed(f"{w.url} answered with a web page, not a model file; "
-                                          "check the address.")
-                    if total is not None and fl.done + len(chunk) > total:
+                            raise _Failed(f"{w.url} answered with a web page, not a model file; check the address.")
+                    if download.overruns(fl.done, len(chunk), total):
                         raise _Failed(f"{w.url} sent more than the {total} bytes it promised; fetch again.")
                     await asyncio.to_thread(f.write, chunk)
                     fl.hasher.update(chunk)
                     fl.done += len(chunk)
-                await asyncio.to_thread(_flush, f)
             except _Failed:
                 f.close()
                 part.unlink(missing_ok=True)  # nothing of a refused answer is kept
@@ -424,8 +459,9 @@ class Manager:
     async def wait(self, model: str, version: str) -> VersionStatus:
         """Until nothing of the version is fetching."""
         while True:
-            tasks = [f.task for (m, v, _), f in self._flights.items()
-                     if (m, v) == (model, version) and f.task is not None]
+            tasks = [
+                f.task for (m, v, _), f in self._flights.items() if (m, v) == (model, version) and f.task is not None
+            ]
             if not tasks:
                 break
             await asyncio.wait(tasks)
@@ -444,8 +480,9 @@ class Manager:
         check_segment(model, "--model")
         check_segment(version, "--version")
         if self._busy(model, version):
-            raise MirrorError(f"{model}/{version} is still downloading; wait for it to finish "
-                              "(or fail) before removing it.")
+            raise MirrorError(
+                f"{model}/{version} is still downloading; wait for it to finish (or fail) before removing it."
+            )
         vdir = self._vdir(model, version)
         if vdir is None or not vdir.is_dir():
             raise MirrorError(f"{model}/{version} is not in this mirror; `llmgw mirror list` shows what is.")
@@ -458,8 +495,9 @@ class Manager:
         check_segment(version, "--version")
         check_segment(name, "--file")
         if self._busy(model, version, name):
-            raise MirrorError(f"{model}/{version}/{name} is still downloading; wait for it to finish "
-                              "(or fail) before removing it.")
+            raise MirrorError(
+                f"{model}/{version}/{name} is still downloading; wait for it to finish (or fail) before removing it."
+            )
         vdir = self._vdir(model, version)
         target = resolve_inside(self.root, model, version, name)
         part = _part(vdir, name) if vdir else None
@@ -486,15 +524,15 @@ class Manager:
                 mdir.rmdir()
 
 
-def _sha256_prefix(path: Path) -> "hashlib._Hash":
+def _sha256_prefix(path: Path) -> hashlib._Hash:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
+        for block in iter(lambda: f.read(download.CHUNK), b""):
             h.update(block)
     return h
 
 
-async def _body(resp: httpx.Response):  # noqa: ANN202 - an async iterator of bytes
+async def _body(resp: httpx.Response):
     """The body's chunks; a connection that drops ends it quietly, so the length
     check after it says how far it got (and the partial stays, to resume)."""
     try:
@@ -503,9 +541,3 @@ async def _body(resp: httpx.Response):  # noqa: ANN202 - an async iterator of by
             yield chunk
     except httpx.TransportError as exc:
         log.info("mirror: %s ended early: %s", resp.url, exc)
-
-
-def _flush(f) -> None:  # noqa: ANN001 - a binary file object
-    # On disk before the rename, so a power cut cannot leave a short file under the final name.
-    f.flush()
-    os.fsync(f.fileno())

@@ -75,8 +75,10 @@ async def _get_json(client: httpx.AsyncClient, url: str, token: str | None, what
     try:
         resp = await client.get(url, headers=auth_headers(token))
     except httpx.HTTPError as exc:
-        raise MirrorError(f"{url} could not be reached ({type(exc).__name__}: {exc}); "
-                          "check the Hugging Face endpoint (mirror.registry) and the network.") from None
+        raise MirrorError(
+            f"{url} could not be reached ({type(exc).__name__}: {exc}); "
+            "check the Hugging Face endpoint (mirror.registry) and the network."
+        ) from None
     if resp.status_code in (401, 403):
         raise MirrorError(f"{what} is {GATED_HINT} (or private: check the name).")
     if resp.status_code == 404:
@@ -86,8 +88,9 @@ async def _get_json(client: httpx.AsyncClient, url: str, token: str | None, what
     return resp
 
 
-async def resolve(source: str, client: httpx.AsyncClient, *, endpoint: str = DEFAULT_ENDPOINT,
-                  token: str | None = None) -> HFSource:
+async def resolve(
+    source: str, client: httpx.AsyncClient, *, endpoint: str = DEFAULT_ENDPOINT, token: str | None = None
+) -> HFSource:
     """Look up ``source`` on Hugging Face: its commit, and the file or shard set it names."""
     org, repo, path = parse_source(source)
     base = endpoint.rstrip("/")
@@ -117,11 +120,15 @@ async def resolve(source: str, client: httpx.AsyncClient, *, endpoint: str = DEF
         lfs = entry.get("lfs") if isinstance(entry.get("lfs"), dict) else {}
         size = lfs.get("size", entry.get("size"))
         name = check_segment(p.rsplit("/", 1)[-1], "file name")
-        files.append(HFFile(
-            name=name, path=p, url=file_url(base, org, repo, commit, p),
-            size=size if isinstance(size, int) and not isinstance(size, bool) else None,
-            sha256=lfs.get("oid") if isinstance(lfs.get("oid"), str) else None,
-        ))
+        files.append(
+            HFFile(
+                name=name,
+                path=p,
+                url=file_url(base, org, repo, commit, p),
+                size=size if isinstance(size, int) and not isinstance(size, bool) else None,
+                sha256=lfs.get("oid") if isinstance(lfs.get("oid"), str) else None,
+            )
+        )
     return HFSource(org=org, repo=repo, path=path, commit=commit, gated=gated, files=files)
 
 

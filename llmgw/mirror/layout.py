@@ -8,13 +8,14 @@ collide with them and a half-written download is never mistaken for a model.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from llmgw.download import PART_SUFFIX
+from llmgw.errors import LlmgwError
+from llmgw.paths import segment_problem
 
 MAX_SEGMENT = 200  # leaves room for ".<name>.part" under the 255-byte file-name limit
 
 
-class MirrorError(Exception):
+class MirrorError(LlmgwError):
     """A refusal; the message is a sentence saying what was wrong and how to fix it."""
 
 
@@ -24,33 +25,15 @@ def check_segment(name: str, what: str) -> str:
     ``what`` names the thing for the message ("--model", "file name"), so the
     person reading it knows which of their inputs to change.
     """
-    why = None
-    if not name or name in (".", ".."):
-        why = "is not a name"
-    elif "/" in name or "\\" in name:
-        why = "contains a path separator; it must be one directory level"
-    elif "\x00" in name or any(ord(c) < 32 for c in name):
-        why = "contains control characters"
-    elif name.startswith("."):
+    # Room for the ".<name>.part" it is downloaded under.
+    why = segment_problem(name, room=1 + len(PART_SUFFIX))
+    if why is None and name.startswith("."):
         why = "starts with a dot; such names are the mirror's own bookkeeping and are never served"
-    elif len(name) > MAX_SEGMENT:
+    elif why is None and len(name) > MAX_SEGMENT:
         why = f"is longer than {MAX_SEGMENT} characters"
     if why:
         raise MirrorError(f"{what} {name!r} {why}; choose another.")
     return name
-
-
-def resolve_inside(root: Path, *parts: str) -> Path | None:
-    """The real path of ``root/parts…`` if it stays inside root's real path, else None.
-
-    Symlinks are resolved first: a link an operator (or anyone) left in the
-    tree must not let the mirror serve or delete something outside it.
-    """
-    real_root = Path(os.path.realpath(root))
-    target = Path(os.path.realpath(real_root.joinpath(*parts)))
-    if target == real_root or real_root in target.parents:
-        return target
-    return None
 
 
 def is_hidden(name: str) -> bool:

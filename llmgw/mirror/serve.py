@@ -25,6 +25,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 import orjson
@@ -33,8 +34,12 @@ from multidict import CIMultiDict
 
 from llmgw.config.types import ListenAddress
 from llmgw.httpserve import Runner, drain
-from llmgw.mirror.api import error_body
-from llmgw.mirror.layout import MirrorError, check_segment, resolve_inside
+from llmgw.mirror.api import ApiAccess, Network, api_app, error_body
+from llmgw.mirror.layout import MirrorError, check_segment
+from llmgw.paths import resolve_inside
+
+if TYPE_CHECKING:
+    from llmgw.mirror.fetcher import Manager
 
 READ_ONLY = "the mirror is read-only"
 NOT_HERE = "nothing here: the mirror serves /<model>/<version>/<file> and /<model>/<version>/ (a manifest)"
@@ -128,8 +133,9 @@ def _not_found() -> web.Response:
 
 def _json(status: int, data: object) -> web.Response:
     # To HEAD, aiohttp sends the same headers (Content-Length included) and no body.
-    return web.Response(status=status, body=orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n",
-                        content_type="application/json")
+    return web.Response(
+        status=status, body=orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n", content_type="application/json"
+    )
 
 
 def weights_app(root: str | os.PathLike[str], checksums: ChecksumsOf | None = None) -> web.Application:
@@ -155,8 +161,7 @@ def weights_app(root: str | os.PathLike[str], checksums: ChecksumsOf | None = No
                 if name in known:
                     e["sha256"] = known[name]
                 entries.append(e)
-            return _json(200, {"model": model, "version": version, "files": entries,
-                               "bytes": sum(s for _, s in files)})
+            return _json(200, {"model": model, "version": version, "files": entries, "bytes": sum(s for _, s in files)})
         if len(segs) != 3:
             return _not_found()
         model, version, name = segs
@@ -179,7 +184,7 @@ def weights_app(root: str | os.PathLike[str], checksums: ChecksumsOf | None = No
 # ---------------------------------------------------------------- running both listeners
 
 
-class ListenError(Exception):
+class ListenError(MirrorError):
     """A listener could not start; the message says which and why."""
 
 
@@ -207,8 +212,9 @@ class Running:
         await drain(self.runners)
 
 
-async def _start(app: web.Application, addr: ListenAddress, ssl_context: ssl.SSLContext | None,
-                 what: str, runners: list[Runner]) -> None:
+async def _start(
+    app: web.Application, addr: ListenAddress, ssl_context: ssl.SSLContext | None, what: str, runners: list[Runner]
+) -> None:
     runner = Runner(app, error_body)
     await runner.setup()
     runners.append(runner)
@@ -225,8 +231,9 @@ async def _start(app: web.Application, addr: ListenAddress, ssl_context: ssl.SSL
         raise ListenError(f"{what}: {why}") from None
 
 
-def describe_api_access(addr: ListenAddress, allow: list[str], token_file: str, ca: str | None = None,
-                        tls_clients: Iterable[str] = ()) -> str:
+def describe_api_access(
+    addr: ListenAddress, allow: list[str], token_file: str, ca: str | None = None, tls_clients: Iterable[str] = ()
+) -> str:
     """The startup line saying who reaches the API (the network filter) and with what (the credential)."""
     where = f"for {', '.join(allow)} and this machine only" if allow else "from any address"
     cred = f"the token in {token_file}"
@@ -235,10 +242,16 @@ def describe_api_access(addr: ListenAddress, allow: list[str], token_file: str, 
     return f"management API on {addr}, {where}; credential: {cred}"
 
 
-async def start_listeners(root: Path, weights: web.Application, listen: ListenAddress,
-                          api: web.Application, api_listen: ListenAddress,
-                          api_ssl: ssl.SSLContext | None, say: Callable[[str], None],
-                          api_line: str) -> Running:
+async def start_listeners(
+    root: Path,
+    weights: web.Application,
+    listen: ListenAddress,
+    api: web.Application,
+    api_listen: ListenAddress,
+    api_ssl: ssl.SSLContext | None,
+    say: Callable[[str], None],
+    api_line: str,
+) -> Running:
     """Start the byte listener, then the API; the first that fails stops both and
     raises ListenError worded "serving weights: …" / "serving the API: …"."""
     runners: list[Runner] = []
@@ -252,3 +265,36 @@ async def start_listeners(root: Path, weights: web.Application, listen: ListenAd
         await running.close()
         raise
     return running
+
+
+async def serve_until_stopped(
+    manager: Manager,
+    root: Path,
+    base: str,
+    access: ApiAccess,
+    listen: ListenAddress,
+    api_listen: ListenAddress,
+    stop: asyncio.Event,
+    *,
+    api_line: str,
+    say: Callable[[str], None],
+    allow: list[Network] | None = None,
+    api_ssl: ssl.SSLContext | None = None,
+    allow_local_sources: bool = False,
+) -> None:
+    """`llmgw mirror serve`: both listeners over ``root`` until ``stop`` is set, then they drain and
+    ``manager`` (the fetcher) closes. ListenError when a listener cannot start."""
+    running = None
+    try:
+        api = api_app(manager, root, base, access, allow=allow or None)
+        running = await start_listeners(
+            root, weights_app(root, manager_checksums(manager)), listen, api, api_listen, api_ssl, say, api_line
+        )
+        say(f"catalog sources should point at {base}")
+        if allow_local_sources:
+            say("fetching from this machine's loopback and link-local addresses is allowed (--allow-local-sources)")
+        await stop.wait()
+    finally:
+        if running is not None:
+            await running.close()
+        await manager.close()

@@ -98,8 +98,9 @@ class SourcePolicy:
     port are connected to wherever they resolve.
     """
 
-    def __init__(self, *, allow_local: bool = False, trusted: Iterable[str] = (),
-                 resolve: Resolve = system_resolve) -> None:
+    def __init__(
+        self, *, allow_local: bool = False, trusted: Iterable[str] = (), resolve: Resolve = system_resolve
+    ) -> None:
         self.allow_local = allow_local
         self.trusted = frozenset(hp for hp in (_endpoint(u) for u in trusted) if hp is not None)
         self._resolve = resolve
@@ -125,7 +126,8 @@ class SourcePolicy:
                 raise SourceRefused(
                     f"{shown} is {kind}; the mirror does not fetch from this machine or from link-local "
                     "addresses, since what it fetches is served to anyone who reaches its byte port. "
-                    f"If this source is yours, start the mirror with {ALLOW_FLAG}.")
+                    f"If this source is yours, start the mirror with {ALLOW_FLAG}."
+                )
         return found
 
     async def _lookup(self, host: str, port: int) -> list[str]:
@@ -166,7 +168,7 @@ class _CheckedBackend(httpcore.AsyncNetworkBackend):
         self.policy = policy
         self._inner = inner or httpcore.AnyIOBackend()
 
-    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # noqa: ANN001, ANN201 - httpcore's signature
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         if self.policy.exempt(host, port):
             return await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
         last: Exception | None = None
@@ -178,7 +180,7 @@ class _CheckedBackend(httpcore.AsyncNetworkBackend):
         assert last is not None
         raise last
 
-    async def connect_unix_socket(self, path, timeout=None, socket_options=None):  # noqa: ANN001, ANN201
+    async def connect_unix_socket(self, path, timeout=None, socket_options=None):
         return await self._inner.connect_unix_socket(path, timeout, socket_options)
 
     async def sleep(self, seconds: float) -> None:
@@ -195,13 +197,19 @@ class GuardedTransport(httpx.AsyncBaseTransport):
     ``network`` is what makes connections to checked addresses (a test's stand-in network).
     """
 
-    def __init__(self, policy: SourcePolicy, *, proxies: dict[str, str] | None = None,
-                 network: httpcore.AsyncNetworkBackend | None = None) -> None:
+    def __init__(
+        self,
+        policy: SourcePolicy,
+        *,
+        proxies: dict[str, str] | None = None,
+        network: httpcore.AsyncNetworkBackend | None = None,
+    ) -> None:
         self.policy = policy
         self._direct = httpx.AsyncHTTPTransport()
         # httpx has no parameter for the network backend; its pool, built as httpx builds it, has one.
         self._direct._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(), network_backend=_CheckedBackend(policy, network))
+            ssl_context=httpx.create_ssl_context(), network_backend=_CheckedBackend(policy, network)
+        )
         self._proxies: dict[str, httpx.AsyncBaseTransport] = {}
         env = urllib.request.getproxies() if proxies is None else proxies
         for scheme in ("http", "https", "all"):

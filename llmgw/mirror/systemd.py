@@ -9,13 +9,13 @@ and says so.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.files import write_atomic
 from llmgw.mirror.api import default_token_file, ensure_token
 from llmgw.mirror.layout import MirrorError
 
@@ -53,32 +53,55 @@ def control_plane_allow(address: str, resolve: Resolver = resolve_host) -> list[
     if not text:
         raise MirrorError(f'--control-plane "{address}" names no host; give its address, e.g. 10.0.0.5')
     try:
-        return [str(ipaddress.ip_network(text, strict=False))
-                if "/" in text else str(ipaddress.ip_address(text))]
+        return [str(ipaddress.ip_network(text, strict=False)) if "/" in text else str(ipaddress.ip_address(text))]
     except ValueError:
         pass
     try:
         found = resolve(text)
     except OSError as exc:
-        raise MirrorError(f"cannot resolve {text} ({exc.strerror or exc}); pass the control plane's IP address") from None
+        raise MirrorError(
+            f"cannot resolve {text} ({exc.strerror or exc}); pass the control plane's IP address"
+        ) from None
     if not found:
         raise MirrorError(f"{text} resolves to no address; pass the control plane's IP address")
     return found
 
 
 def _quote(arg: str) -> str:
-    if arg and not any(c in arg for c in ' \t"\'\\$%;'):
+    if arg and not any(c in arg for c in " \t\"'\\$%;"):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
 
 
-def unit_text(*, dir: str, user: str, base: str, allow: list[str], token_file: str, binary: str = DEFAULT_BINARY,
-              listen: str = ":8081", api_listen: str = ":8082") -> str:
-    args = [binary, "mirror", "serve", "--dir", dir, "--listen", listen, "--api-listen", api_listen, "--base", base,
-            "--api-token-file", token_file]
+def unit_text(
+    *,
+    dir: str,
+    user: str,
+    base: str,
+    allow: list[str],
+    token_file: str,
+    binary: str = DEFAULT_BINARY,
+    listen: str = ":8081",
+    api_listen: str = ":8082",
+) -> str:
+    args = [
+        binary,
+        "mirror",
+        "serve",
+        "--dir",
+        dir,
+        "--listen",
+        listen,
+        "--api-listen",
+        api_listen,
+        "--base",
+        base,
+        "--api-token-file",
+        token_file,
+    ]
     for a in allow:
         args += ["--api-allow", a]
-    pairs = [args[:3]] + [args[i:i + 2] for i in range(3, len(args), 2)]
+    pairs = [args[:3]] + [args[i : i + 2] for i in range(3, len(args), 2)]
     exec_start = " \\\n  ".join(" ".join(_quote(a) for a in p) for p in pairs)
     return f"""[Unit]
 Description=llmgw model mirror
@@ -116,9 +139,17 @@ def _must(run: Runner, argv: list[str], doing: str) -> str:
     return out
 
 
-def init_mirror(*, control_plane: str, dir: str, unit_path: str = DEFAULT_UNIT_PATH, user: str = "llmgw",
-                base: str, binary: str = DEFAULT_BINARY, run: Runner = run_command,
-                resolve: Resolver = resolve_host) -> InitResult:
+def init_mirror(
+    *,
+    control_plane: str,
+    dir: str,
+    unit_path: str = DEFAULT_UNIT_PATH,
+    user: str = "llmgw",
+    base: str,
+    binary: str = DEFAULT_BINARY,
+    run: Runner = run_command,
+    resolve: Resolver = resolve_host,
+) -> InitResult:
     """Bring the machine to: user exists, dir exists (owned by it when created), the API
     token beside it (owned by it when made), the unit holds exactly this text, systemd
     knows it, it is enabled and running."""
@@ -131,8 +162,21 @@ def init_mirror(*, control_plane: str, dir: str, unit_path: str = DEFAULT_UNIT_P
     if run(["id", "-u", user])[0] == 0:
         res.unchanged.append(f"the user {user} exists")
     else:
-        _must(run, ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", dir,
-                    "--shell", "/usr/sbin/nologin", user], f"creating the user {user}")
+        _must(
+            run,
+            [
+                "useradd",
+                "--system",
+                "--user-group",
+                "--no-create-home",
+                "--home-dir",
+                dir,
+                "--shell",
+                "/usr/sbin/nologin",
+                user,
+            ],
+            f"creating the user {user}",
+        )
         res.changed.append(f"created the system user {user}")
 
     if d.is_dir():
@@ -166,11 +210,7 @@ def init_mirror(*, control_plane: str, dir: str, unit_path: str = DEFAULT_UNIT_P
     unit_changed = old != text
     if unit_changed:
         try:
-            unit.parent.mkdir(parents=True, exist_ok=True)
-            tmp = unit.with_name(f".{unit.name}.tmp")
-            tmp.write_text(text)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, unit)
+            write_atomic(unit, text.encode("utf-8"), 0o644)
         except OSError as exc:
             raise MirrorError(f"cannot write {unit}: {exc.strerror or exc} (run it with sudo)") from None
         res.changed.append(f"{'wrote' if old is None else 'updated'} {unit} (--api-allow {', '.join(allow)})")

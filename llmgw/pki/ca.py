@@ -12,13 +12,16 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes, PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from llmgw.errors import LlmgwError
 from llmgw.files import write_atomic
 
 CA_CERT = "ca.pem"
@@ -32,7 +35,7 @@ _BACKDATE = dt.timedelta(minutes=5)
 _LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", re.IGNORECASE)
 
 
-class PKIError(Exception):
+class PKIError(LlmgwError):
     """A certificate problem, said as a sentence with what to do about it."""
 
 
@@ -71,14 +74,18 @@ def parse_san(name: str) -> x509.GeneralName:
     if not raw:
         raise PKIError("an empty name cannot go into a certificate; give a host name or an IP address")
     if "://" in raw:
-        raise PKIError(f"{name!r} is a URL; give only its host (for example {raw.split('://', 1)[1].split('/')[0].rsplit(':', 1)[0]!r})")
+        raise PKIError(
+            f"{name!r} is a URL; give only its host (for example {raw.split('://', 1)[1].split('/')[0].rsplit(':', 1)[0]!r})"
+        )
     bare = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
     try:
         return x509.IPAddress(ipaddress.ip_address(bare))
     except ValueError:
         pass
     if re.fullmatch(r"[^:]+:\d+", raw):
-        raise PKIError(f"{name!r} has a port; give the host alone ({raw.rsplit(':', 1)[0]!r}) — certificates name hosts, not ports")
+        raise PKIError(
+            f"{name!r} has a port; give the host alone ({raw.rsplit(':', 1)[0]!r}) — certificates name hosts, not ports"
+        )
     if not _is_hostname(raw, wildcard=True):
         raise PKIError(
             f"{name!r} is neither an IP address nor a valid host name: host names hold letters, digits, "
@@ -105,7 +112,9 @@ def parse_sans(names: list[str]) -> list[x509.GeneralName]:
 
 
 def _write_pair(cert_path: Path, key_path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Issued:
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     write_atomic(key_path, key_pem, 0o600)
     write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return Issued(cert_path, key_path)
@@ -129,7 +138,7 @@ def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
         raise PKIError(f"{p} is not a PEM certificate (it should start with -----BEGIN CERTIFICATE-----)") from None
 
 
-def load_key(path: str | os.PathLike[str]):
+def load_key(path: str | os.PathLike[str]) -> PrivateKeyTypes:
     p, data = _read(path, "private key")
     try:
         return serialization.load_pem_private_key(data, password=None)
@@ -137,13 +146,16 @@ def load_key(path: str | os.PathLike[str]):
         raise PKIError(f"{p} is not an unencrypted PEM private key") from None
 
 
-def _same_public_key(cert: x509.Certificate, key) -> bool:
+def _same_public_key(cert: x509.Certificate, key: PrivateKeyTypes) -> bool:
     spki = serialization.PublicFormat.SubjectPublicKeyInfo
     der = serialization.Encoding.DER
-    return cert.public_key().public_bytes(der, spki) == key.public_key().public_bytes(der, spki)
+    ours: bytes = cert.public_key().public_bytes(der, spki)
+    return ours == key.public_key().public_bytes(der, spki)
 
 
-def load_pair(cert_path: str | os.PathLike[str], key_path: str | os.PathLike[str]):
+def load_pair(
+    cert_path: str | os.PathLike[str], key_path: str | os.PathLike[str]
+) -> tuple[x509.Certificate, PrivateKeyTypes]:
     """A certificate and its key, refusing a key that belongs to another certificate."""
     cert, key = load_cert(cert_path), load_key(key_path)
     if not _same_public_key(cert, key):
@@ -154,7 +166,7 @@ def load_pair(cert_path: str | os.PathLike[str], key_path: str | os.PathLike[str
     return cert, key
 
 
-def load_ca(ca_dir: str | os.PathLike[str]):
+def load_ca(ca_dir: str | os.PathLike[str]) -> tuple[x509.Certificate, PrivateKeyTypes]:
     d = Path(ca_dir)
     if not (d / CA_KEY).exists() or not (d / CA_CERT).exists():
         missing = " and ".join(n for n in (CA_CERT, CA_KEY) if not (d / n).exists())
@@ -178,7 +190,7 @@ def verify_issued_by(ca_path: str | os.PathLike[str], cert_path: str | os.PathLi
             f"(it names {cert.issuer.rfc4514_string() or 'no issuer'} as issuer); "
             "issue it again with this authority (`llmgw ctl cert issue-client` or `issue-server`)"
         ) from None
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     if cert.not_valid_after_utc < now:
         raise PKIError(f"{cert_path} expired on {cert.not_valid_after_utc:%Y-%m-%d}; issue it again")
 
@@ -192,7 +204,11 @@ def _check_days(days: int) -> None:
 
 
 def init_ca(
-    dir: str | os.PathLike[str] = DEFAULT_PKI_DIR, name: str = "llmgw fleet CA", days: int = CA_DAYS, *, force: bool = False
+    dir: str | os.PathLike[str] = DEFAULT_PKI_DIR,
+    name: str = "llmgw fleet CA",
+    days: int = CA_DAYS,
+    *,
+    force: bool = False,
 ) -> Issued:
     """Create the authority: ca.pem (to trust everywhere) and ca-key.pem (0600, to back up)."""
     d = Path(dir)
@@ -207,7 +223,7 @@ def init_ca(
         raise PKIError("the authority needs a name; leave --name out for the default")
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()
@@ -221,8 +237,15 @@ def init_ca(
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -233,11 +256,15 @@ def init_ca(
     return _write_pair(d / CA_CERT, d / CA_KEY, cert, key)
 
 
-def _issue(ca_dir, subject_cn: str, sans: list[x509.GeneralName], eku, days: int):
+def _issue(
+    ca_dir: str | os.PathLike[str], subject_cn: str, sans: list[x509.GeneralName], eku: x509.ObjectIdentifier, days: int
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     _check_days(days)
-    ca_cert, ca_key = load_ca(ca_dir)
+    ca_cert, loaded = load_ca(ca_dir)
+    # init_ca writes an EC key; a key that cannot sign (DH, X25519) makes cryptography raise TypeError.
+    ca_key = cast(CertificateIssuerPrivateKeyTypes, loaded)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     # A leaf outliving its authority would fail verification anyway; say so by capping it.
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
     builder = (
@@ -251,8 +278,15 @@ def _issue(ca_dir, subject_cn: str, sans: list[x509.GeneralName], eku, days: int
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, key_cert_sign=False, crl_sign=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -266,7 +300,12 @@ def _issue(ca_dir, subject_cn: str, sans: list[x509.GeneralName], eku, days: int
 
 
 def issue_server(
-    ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], names: list[str], days: int = LEAF_DAYS, *, stem: str = "server"
+    ca_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    names: list[str],
+    days: int = LEAF_DAYS,
+    *,
+    stem: str = "server",
 ) -> Issued:
     """server.pem and server-key.pem naming every host and address agents dial.
 
@@ -280,7 +319,9 @@ def issue_server(
     return _write_pair(out / f"{stem}.pem", out / f"{stem}-key.pem", cert, key)
 
 
-def issue_client(ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], node_id: str, days: int = LEAF_DAYS) -> Issued:
+def issue_client(
+    ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], node_id: str, days: int = LEAF_DAYS
+) -> Issued:
     """<node>.pem and <node>-key.pem whose common name is the node id the agent must claim."""
     validate_node_id(node_id)
     cert, key = _issue(ca_dir, node_id, [], ExtendedKeyUsageOID.CLIENT_AUTH, days)

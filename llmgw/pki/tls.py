@@ -9,8 +9,10 @@ from cryptography import x509
 
 from llmgw.pki.ca import PKIError, common_name, load_cert, load_pair
 
+_Path = str | os.PathLike[str]
 
-def _load(ctx: ssl.SSLContext, ca, cert, key) -> ssl.SSLContext:
+
+def _load(ctx: ssl.SSLContext, ca: _Path, cert: _Path | None, key: _Path | None) -> ssl.SSLContext:
     # Read with cryptography first: its failures can be said plainly, ssl's cannot.
     load_cert(ca)
     if cert is not None:
@@ -24,7 +26,7 @@ def _load(ctx: ssl.SSLContext, ca, cert, key) -> ssl.SSLContext:
     return ctx
 
 
-def server_context(ca, cert, key, *, require_client: bool = True) -> ssl.SSLContext:
+def server_context(ca: _Path, cert: _Path | None, key: _Path | None, *, require_client: bool = True) -> ssl.SSLContext:
     """A listener that accepts only clients holding a certificate from the authority in `ca`;
     with require_client=False a client may present none (and then needs another credential),
     but one it presents must still come from that authority."""
@@ -34,14 +36,14 @@ def server_context(ca, cert, key, *, require_client: bool = True) -> ssl.SSLCont
     return _load(ctx, ca, cert, key)
 
 
-def client_context(ca, cert=None, key=None) -> ssl.SSLContext:
+def client_context(ca: _Path, cert: _Path | None = None, key: _Path | None = None) -> ssl.SSLContext:
     """A dialler that trusts only the authority in `ca` and, given a certificate, presents it."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the server and its host name
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return _load(ctx, ca, cert, key)
 
 
-def peer_node_id(ssl_object) -> str | None:
+def peer_node_id(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
     """The common name of the certificate the peer presented, or None when it presented none."""
     if ssl_object is None:
         return None

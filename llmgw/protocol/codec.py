@@ -13,6 +13,9 @@ from typing import Annotated, Any, Literal, Union
 
 import orjson
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, create_model
+from pydantic_core import ErrorDetails
+
+from llmgw.errors import LlmgwError
 
 from .messages import MESSAGE_TYPES, Direction, Message
 
@@ -21,7 +24,7 @@ Sender = Literal["agent", "control"]
 _BY_TYPE: dict[str, type[Message]] = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 
 
-class ProtocolError(ValueError):
+class ProtocolError(LlmgwError, ValueError):
     """A message that cannot be used. ``msg_type`` and ``msg_id`` are set when
     they could be read, so the receiver can still answer the sender."""
 
@@ -37,15 +40,17 @@ def _envelope(cls: type[Message]) -> type:
     return create_model(
         f"{cls.__name__}Envelope",
         __config__=ConfigDict(extra="ignore"),
-        type=(Literal[cls.TYPE], ...),  # type: ignore[valid-type]
+        type=(Literal[cls.TYPE], ...),
         id=(str | None, None),
         # A message whose fields are all optional may leave the payload out.
         payload=(cls, Field(default_factory=dict, validate_default=True)),
     )
 
 
-_ENVELOPES = TypeAdapter(
-    Annotated[Union[tuple(_envelope(c) for c in MESSAGE_TYPES)], Field(discriminator="type")]  # type: ignore[misc]
+# Built at run time from MESSAGE_TYPES, so no static type describes it.
+_ENVELOPES: TypeAdapter[Any] = TypeAdapter(
+    # Union[...] of a tuple built at run time: the `X | Y` spelling cannot take one.
+    Annotated[Union[tuple(_envelope(c) for c in MESSAGE_TYPES)], Field(discriminator="type")]  # noqa: UP007
 )
 
 
@@ -126,7 +131,7 @@ def _explain(exc: ValidationError, data: bytes | bytearray | str) -> ProtocolErr
     return ProtocolError(f"{head}: " + "; ".join(parts), msg_type=msg_type, msg_id=msg_id)
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails) -> str:
     loc = list(err["loc"][1:])  # the first element is the type tag
     if loc[:1] == ["payload"]:
         loc = loc[1:]

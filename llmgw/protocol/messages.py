@@ -26,15 +26,19 @@ from pydantic import Field, model_validator
 
 from .base import WireModel
 from .inventory import (
+    IMEX,
     GPUUsage,
     IBPort,
-    IMEX,
     MemoryInfo,
     NodeInventory,
     NodeLoad,
     NonNegInt,
     Storage,
 )
+
+# The HTTP path of the WebSocket that carries these messages: agents dial it,
+# the control plane serves it.
+STREAM_PATH = "/v1/agent/stream"
 
 Direction = Literal["up", "down", "both"]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -58,12 +62,20 @@ class Message(WireModel):
 
 
 class ShardState(StrEnum):
-    PENDING = "pending"
-    STARTING = "starting"  # process up, not yet answering
-    LOADING = "loading"  # answering /health, model not yet listed (a 70B load takes minutes)
+    """The one shard state: the agent's supervisor keeps it and the stream carries it."""
+
+    PENDING = "pending"  # accepted; waiting (for the weights, the leader's port) before anything runs
+    STARTING = "starting"  # processes run; the engine's HTTP server does not answer yet
+    # It answers, but /health is not 200 or the model is not listed yet (a 70B load takes minutes).
+    LOADING = "loading"
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
+
+    @property
+    def running(self) -> bool:
+        """Not finished: a process runs or is about to."""
+        return self not in (ShardState.FAILED, ShardState.STOPPED)
 
 
 class ByteProgress(WireModel):

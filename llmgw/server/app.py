@@ -6,30 +6,30 @@ import asyncio
 import errno
 import gc
 import logging
-import signal
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aiohttp import web
 
 from llmgw import __version__
-from llmgw.httpserve import Runner, begin_drain, drain
 from llmgw.config.server import EndpointConfig, ServerConfig
 from llmgw.config.types import ListenAddress
+from llmgw.errors import LlmgwError
+from llmgw.files import SecretFileError
+from llmgw.gguf import check_gguf_url
+from llmgw.httpserve import Runner, begin_drain, drain
 from llmgw.pki import PKIError, peer_node_id, server_context
-from llmgw.server.control.agents import AgentService
-from llmgw.mirror.gguf import check_gguf_url
-from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_file_url
-from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
-from llmgw.server.control.fleet_metrics import FleetCollector
-from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.admin.access import AccessError, AdminAccess, ensure_first_token
 from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
+from llmgw.server.control.agents import AgentService
+from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_file_url
+from llmgw.server.control.fleet_metrics import FleetCollector
+from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
+from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.gateway.auth import KeyCache
-from llmgw.files import SecretFileError
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet, read_endpoint_key
 from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.proxy import Gateway
@@ -42,7 +42,7 @@ from llmgw.store import Store
 log = logging.getLogger("llmgw.server")
 
 
-class StartError(Exception):
+class StartError(LlmgwError):
     """The server could not start; the message says why and what to change."""
 
 
@@ -63,12 +63,21 @@ class Server:
         self.usage: UsageRecorder | None = None
         self.metrics = GatewayMetrics()
         eps = [
-            Endpoint(m.name, e.url, e.engine, e.model, config.router.breaker.failures, config.router.breaker.cooldown,
-                     api_key=_endpoint_key(m.name, e))
-            for m in config.models for e in m.endpoints
+            Endpoint(
+                m.name,
+                e.url,
+                e.engine,
+                e.model,
+                config.router.breaker.failures,
+                config.router.breaker.cooldown,
+                api_key=_endpoint_key(m.name, e),
+            )
+            for m in config.models
+            for e in m.endpoints
         ]
-        self.endpoints = EndpointSet(eps, config.router.scrape_interval, config.router.metrics_stale_after,
-                                     config.timeouts.connect)
+        self.endpoints = EndpointSet(
+            eps, config.router.scrape_interval, config.router.metrics_stale_after, config.timeouts.connect
+        )
         # Engines run outside llmgw, by (model, url): those of models added at run time come and go.
         self._static = {(ep.model, ep.url): ep for ep in eps}
         self.gateway: Gateway | None = None
@@ -96,9 +105,14 @@ class Server:
             raise StartError(str(exc)) from None
         # Before anything serves or reads usage: rows an earlier run could not write, so the
         # budgets restored below count them.
-        self.usage = UsageRecorder(self.store, cfg.usage.flush_interval, cfg.usage.batch_size, cfg.usage.queue_limit,
-                                   journal=UsageJournal(Path(cfg.data_path) / JOURNAL_NAME),
-                                   final_flush=cfg.usage.final_flush)
+        self.usage = UsageRecorder(
+            self.store,
+            cfg.usage.flush_interval,
+            cfg.usage.batch_size,
+            cfg.usage.queue_limit,
+            journal=UsageJournal(Path(cfg.data_path) / JOURNAL_NAME),
+            final_flush=cfg.usage.final_flush,
+        )
         try:
             await self.usage.replay_journal()
         except JournalError as exc:
@@ -139,17 +153,24 @@ class Server:
                 self.gateway.demand = self.reconciler
                 await self.reconciler.start()
                 rec = self.reconciler
-                self.metrics.watch_fleet(FleetCollector(self.agents, lambda: list(rec.replicas.values()),
-                                                        lambda: dict(rec.marks)))
+                self.metrics.watch_fleet(
+                    FleetCollector(self.agents, lambda: list(rec.replicas.values()), lambda: dict(rec.marks))
+                )
                 await self._listen(cfg.agent_listen, "agent_listen", agent_app, self._agent_tls())
         except StartError:
             await self.stop()
             raise
         if not cfg.auth.enabled:
             log.warning("auth.enabled is false: anyone who reaches %s can use every model", cfg.listen)
-        log.info("llmgw %s serving %d model(s) on %s (admin %s%s); %d API key(s) loaded",
-                 __version__, len(cfg.models), cfg.listen, cfg.admin_listen,
-                 f", metrics {cfg.metrics_listen}" if cfg.metrics_listen else "", len(self.keys))
+        log.info(
+            "llmgw %s serving %d model(s) on %s (admin %s%s); %d API key(s) loaded",
+            __version__,
+            len(cfg.models),
+            cfg.listen,
+            cfg.admin_listen,
+            f", metrics {cfg.metrics_listen}" if cfg.metrics_listen else "",
+            len(self.keys),
+        )
 
     async def stop(self) -> None:
         # Listeners first (running requests get timeouts.drain to finish), then the
@@ -178,7 +199,7 @@ class Server:
     async def _restore_budgets(self) -> None:
         """Budgets survive a restart: this month's and today's spend, folded back into every pool."""
         assert self.store is not None and self.gateway is not None and self.gateway.accountant is not None
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         today = now.replace(hour=0, minute=0, second=0, microsecond=0)
         month = today.replace(day=1)
         rows = []
@@ -197,7 +218,7 @@ class Server:
         mirror.registry when one is set."""
         return await check_source(source, hf_endpoint=self._hf_endpoint())
 
-    def model_check(self, profiles: list) -> "Callable[[str], Awaitable[str | None]]":
+    def model_check(self, profiles: list) -> Callable[[str], Awaitable[str | None]]:
         """The source check for a model being added: the source must exist, and a GGUF
         that a llama.cpp profile would load must be one the pinned llama.cpp can load."""
         llamacpp = any(isinstance(p, dict) and p.get("engine") == "llamacpp" for p in profiles or ())
@@ -210,6 +231,7 @@ class Server:
             if url.startswith(("http://", "https://")) and not url.endswith("/") and ".gguf" in url.lower():
                 return await check_gguf_url(url)
             return None
+
         return check
 
     def _hf_endpoint(self) -> str:
@@ -242,8 +264,9 @@ class Server:
         if self.reconciler is not None:
             self.reconciler.wake()
 
-    async def _listen(self, addr: ListenAddress, key: str, app: web.Application,
-                      ssl_context: ssl.SSLContext | None = None) -> None:
+    async def _listen(
+        self, addr: ListenAddress, key: str, app: web.Application, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         runner = Runner(app, error_body, handler_cancellation=True, shutdown_timeout=self.config.timeouts.drain)
         await runner.setup()
         self._runners.append(runner)
@@ -252,10 +275,14 @@ class Server:
             await site.start()
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise StartError(f"{key} {addr}: the address is already in use by another process; "
-                                 f"stop it or change {key} in server.yaml") from None
+                raise StartError(
+                    f"{key} {addr}: the address is already in use by another process; "
+                    f"stop it or change {key} in server.yaml"
+                ) from None
             if exc.errno in (errno.EACCES, errno.EPERM):
-                raise StartError(f"{key} {addr}: permission denied; ports below 1024 need root, choose another") from None
+                raise StartError(
+                    f"{key} {addr}: permission denied; ports below 1024 need root, choose another"
+                ) from None
             raise StartError(f"{key} {addr}: cannot listen: {exc.strerror or exc}") from None
 
     # -- applications -------------------------------------------------------
@@ -263,8 +290,9 @@ class Server:
     def _client_app(self) -> web.Application:
         assert self.gateway is not None
         # aiohttp refuses larger bodies itself too; the gateway answers in OpenAI's shape first.
-        app = web.Application(client_max_size=self.config.router.max_body_bytes,
-                              middlewares=[_server_timing, _json_errors])
+        app = web.Application(
+            client_max_size=self.config.router.max_body_bytes, middlewares=[_server_timing, _json_errors]
+        )
         self.gateway.add_routes(app)
         assert self.store is not None
         ClaimPage(self.store).add_routes(app)
@@ -291,26 +319,36 @@ class Server:
         try:
             return server_context(tls.ca, tls.cert, tls.key, require_client=False)
         except PKIError as exc:
-            raise StartError(f"admin_tls: {exc} (create them with `llmgw ctl cert init-ca` and "
-                             "`llmgw ctl cert issue-server NAME...`)") from None
+            raise StartError(
+                f"admin_tls: {exc} (create them with `llmgw ctl cert init-ca` and "
+                "`llmgw ctl cert issue-server NAME...`)"
+            ) from None
 
     def _agent_tls(self) -> ssl.SSLContext | None:
         tls = self.config.agent_tls
         if tls is None:
-            log.warning("agent_tls is null: agents connect in plaintext on %s; for one trusted machine only",
-                        self.config.agent_listen)
+            log.warning(
+                "agent_tls is null: agents connect in plaintext on %s; for one trusted machine only",
+                self.config.agent_listen,
+            )
             return None
         try:
             return server_context(tls.ca, tls.cert, tls.key)
         except PKIError as exc:
-            raise StartError(f"agent_tls: {exc} (create them with `llmgw ctl cert init-ca` and "
-                             "`llmgw ctl cert issue-server NAME...`)") from None
+            raise StartError(
+                f"agent_tls: {exc} (create them with `llmgw ctl cert init-ca` and "
+                "`llmgw ctl cert issue-server NAME...`)"
+            ) from None
 
     def _agent_app(self) -> web.Application:
         c = self.config.control
         mtls = self.config.agent_tls is not None
-        self.agents = AgentService(identity=_certificate_node if mtls else None, require_identity=mtls,
-                                   unreachable_after=c.unreachable_after, lost_after=c.lost_after)
+        self.agents = AgentService(
+            identity=_certificate_node if mtls else None,
+            require_identity=mtls,
+            unreachable_after=c.unreachable_after,
+            lost_after=c.lost_after,
+        )
         app = web.Application()
         self.agents.add_routes(app)
         self.apps["agent_listen"] = app
@@ -328,11 +366,16 @@ class Server:
     async def _ready(self, request: web.Request) -> web.Response:
         if self.endpoints.any_ready():
             return web.json_response({"status": "ready"}, dumps=dumps)
-        return web.json_response({"status": "not ready", "reason": "no endpoint of any model passes its health check"},
-                                 status=503, dumps=dumps)
+        return web.json_response(
+            {"status": "not ready", "reason": "no endpoint of any model passes its health check"},
+            status=503,
+            dumps=dumps,
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+        )
 
 
 def _certificate_node(request: web.Request) -> str | None:
@@ -341,7 +384,9 @@ def _certificate_node(request: web.Request) -> str | None:
 
 
 @web.middleware
-async def _server_timing(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def _server_timing(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """Every client response says how long the gateway itself took; the proxy sets a
     finer value (its own time apart from the engine's) on the responses it forwards."""
     t0 = time.perf_counter()
@@ -352,47 +397,35 @@ async def _server_timing(request: web.Request, handler: Callable[[web.Request], 
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """aiohttp's own refusals (unknown path, wrong method) in the same JSON shape as ours."""
     try:
         return await handler(request)
     except NoMirror:
-        return error_response(404, "this control plane has no mirror; set mirror.api in server.yaml",
-                              "no_mirror")
+        return error_response(404, "this control plane has no mirror; set mirror.api in server.yaml", "no_mirror")
     except NotControlPlane:
-        return error_response(404, "this server is not a control plane; set control.enabled: true in server.yaml",
-                              "not_a_control_plane")
+        return error_response(
+            404, "this server is not a control plane; set control.enabled: true in server.yaml", "not_a_control_plane"
+        )
     except web.HTTPMethodNotAllowed as exc:
-        return error_response(405, f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
-                              "method_not_allowed")
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
+            "method_not_allowed",
+        )
     except web.HTTPNotFound:
         return error_response(404, f"there is nothing at {request.path}", "not_found")
     except web.HTTPRequestEntityTooLarge as exc:
         return error_response(413, exc.text or "the request body is too large", "request_too_large")
 
 
-def setup_logging(level: str = "info") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-
-
-def install_loop() -> None:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional on platforms without it
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
-async def serve_until_stopped(config: ServerConfig,
-                              on_started: Callable[[Server], Awaitable[None]] | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain and stop."""
+async def serve_until_stopped(
+    config: ServerConfig, stop: asyncio.Event, on_started: Callable[[Server], Awaitable[None]] | None = None
+) -> None:
+    """Run until ``stop`` is set (llmgw.runtime sets it on SIGTERM or SIGINT), then drain and stop."""
     server = Server(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await server.start()
     # What exists now (imported modules, configuration) lives as long as the process:
     # moving it out of the collector's sight stops full collections from walking it,
@@ -415,5 +448,3 @@ async def serve_until_stopped(config: ServerConfig,
         log.info("stopping: finishing running requests (up to %gs)", config.timeouts.drain)
     finally:
         await server.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)

@@ -8,7 +8,8 @@ gauges are computed when Prometheus scrapes, so they cost nothing per request.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,28 +29,42 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
-            "llmgw_requests", "Requests through the gateway, by model and HTTP status.",
-            ["model", "route", "status"], registry=self.registry,
+            "llmgw_requests",
+            "Requests through the gateway, by model and HTTP status.",
+            ["model", "route", "status"],
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "llmgw_request_duration_seconds", "Whole request time as the client sees it, by model.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            "llmgw_request_duration_seconds",
+            "Whole request time as the client sees it, by model.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.ttft = Histogram(
-            "llmgw_ttft_seconds", "Time to first token as the gateway sees it, by model (streamed requests).",
-            ["model"], buckets=TTFT_BUCKETS, registry=self.registry,
+            "llmgw_ttft_seconds",
+            "Time to first token as the gateway sees it, by model (streamed requests).",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.overhead = Histogram(
-            "llmgw_gateway_overhead_seconds", "The gateway's own time per request (the Server-Timing value).",
-            buckets=OVERHEAD_BUCKETS, registry=self.registry,
+            "llmgw_gateway_overhead_seconds",
+            "The gateway's own time per request (the Server-Timing value).",
+            buckets=OVERHEAD_BUCKETS,
+            registry=self.registry,
         )
         self.tokens = Counter(
-            "llmgw_tokens", "Tokens served, by model and direction (prompt or completion).",
-            ["model", "direction"], registry=self.registry,
+            "llmgw_tokens",
+            "Tokens served, by model and direction (prompt or completion).",
+            ["model", "direction"],
+            registry=self.registry,
         )
         self.retries = Counter(
-            "llmgw_upstream_retries", "Requests sent to another endpoint after one failed before the first byte.",
-            ["model"], registry=self.registry,
+            "llmgw_upstream_retries",
+            "Requests sent to another endpoint after one failed before the first byte.",
+            ["model"],
+            registry=self.registry,
         )
         self._requests: dict[tuple[str, str, int], Callable[[], None]] = {}
         self._latency: dict[str, Callable[[float], None]] = {}
@@ -84,7 +99,7 @@ class GatewayMetrics:
                     inc = self._tokens[key] = self.tokens.labels(model, direction).inc
                 inc(n)
 
-    def watch(self, endpoints: "EndpointSet", usage: "UsageRecorder | None") -> None:
+    def watch(self, endpoints: EndpointSet, usage: UsageRecorder | None) -> None:
         self.registry.register(_StateCollector(endpoints, usage))
 
     def watch_fleet(self, collector: Collector) -> None:
@@ -92,7 +107,7 @@ class GatewayMetrics:
         ``llmgw.server.control.fleet_metrics.FleetCollector``, read at scrape time."""
         self.registry.register(collector)
 
-    def watch_admission(self, admission: "Admission", models: Callable[[], list[str]]) -> None:
+    def watch_admission(self, admission: Admission, models: Callable[[], list[str]]) -> None:
         """Export admission's queues, pool saturation and refusals, read at scrape time."""
         self.registry.register(_AdmissionCollector(admission, models))
 
@@ -103,7 +118,7 @@ class GatewayMetrics:
 class _StateCollector:
     """Endpoint and queue state, read at scrape time."""
 
-    def __init__(self, endpoints: "EndpointSet", usage: "UsageRecorder | None") -> None:
+    def __init__(self, endpoints: EndpointSet, usage: UsageRecorder | None) -> None:
         self._endpoints = endpoints
         self._usage = usage
 
@@ -112,13 +127,33 @@ class _StateCollector:
         eps = self._endpoints
         labels = ["model", "replica", "engine"]
         families = {
-            "waiting": GaugeMetricFamily("llmgw_endpoint_waiting", "Requests the engine has accepted but not started, as it reports them.", labels=labels),
-            "running": GaugeMetricFamily("llmgw_endpoint_running", "Requests the engine is working on, as it reports them.", labels=labels),
-            "kv": GaugeMetricFamily("llmgw_endpoint_kv_cache_usage", "KV cache occupancy (0-1), as the engine reports it.", labels=labels),
-            "inflight": GaugeMetricFamily("llmgw_endpoint_inflight", "Requests this gateway has in flight to the endpoint.", labels=labels),
-            "healthy": GaugeMetricFamily("llmgw_endpoint_healthy", "1 when the endpoint's health check passes.", labels=labels),
-            "breaker": GaugeMetricFamily("llmgw_endpoint_breaker_open", "1 when the router stopped sending to this endpoint after repeated failures.", labels=labels),
-            "stale": GaugeMetricFamily("llmgw_endpoint_metrics_stale", "1 when its scraped numbers are old, so the router is choosing with stale numbers.", labels=labels),
+            "waiting": GaugeMetricFamily(
+                "llmgw_endpoint_waiting",
+                "Requests the engine has accepted but not started, as it reports them.",
+                labels=labels,
+            ),
+            "running": GaugeMetricFamily(
+                "llmgw_endpoint_running", "Requests the engine is working on, as it reports them.", labels=labels
+            ),
+            "kv": GaugeMetricFamily(
+                "llmgw_endpoint_kv_cache_usage", "KV cache occupancy (0-1), as the engine reports it.", labels=labels
+            ),
+            "inflight": GaugeMetricFamily(
+                "llmgw_endpoint_inflight", "Requests this gateway has in flight to the endpoint.", labels=labels
+            ),
+            "healthy": GaugeMetricFamily(
+                "llmgw_endpoint_healthy", "1 when the endpoint's health check passes.", labels=labels
+            ),
+            "breaker": GaugeMetricFamily(
+                "llmgw_endpoint_breaker_open",
+                "1 when the router stopped sending to this endpoint after repeated failures.",
+                labels=labels,
+            ),
+            "stale": GaugeMetricFamily(
+                "llmgw_endpoint_metrics_stale",
+                "1 when its scraped numbers are old, so the router is choosing with stale numbers.",
+                labels=labels,
+            ),
         }
         ready: dict[str, int] = {}
         for ep in eps.endpoints:
@@ -139,33 +174,45 @@ class _StateCollector:
                 families["stale"].add_metric(lv, 1.0 if stale else 0.0)
             ready[ep.model] = ready.get(ep.model, 0) + (1 if ep.available(now) else 0)
         yield from families.values()
-        replicas = GaugeMetricFamily("llmgw_model_endpoints_ready", "Endpoints of a model that can take a request now.", labels=["model"])
+        replicas = GaugeMetricFamily(
+            "llmgw_model_endpoints_ready", "Endpoints of a model that can take a request now.", labels=["model"]
+        )
         for model, n in ready.items():
             replicas.add_metric([model], n)
         yield replicas
         if self._usage is not None:
-            yield GaugeMetricFamily("llmgw_usage_pending", "Usage rows waiting to be written to the store.", value=self._usage.pending)
-            yield CounterMetricFamily("llmgw_usage_dropped", "Usage rows lost: the queue was full while the store did not keep up, or at shutdown the usage journal could not be written, or a journal line was damaged.", value=self._usage.dropped)
+            yield GaugeMetricFamily(
+                "llmgw_usage_pending", "Usage rows waiting to be written to the store.", value=self._usage.pending
+            )
+            yield CounterMetricFamily(
+                "llmgw_usage_dropped",
+                "Usage rows lost: the queue was full while the store did not keep up, or at shutdown the usage journal could not be written, or a journal line was damaged.",
+                value=self._usage.dropped,
+            )
 
 
 class _AdmissionCollector:
-    def __init__(self, admission: "Admission", models: Callable[[], list[str]]) -> None:
+    def __init__(self, admission: Admission, models: Callable[[], list[str]]) -> None:
         self._admission = admission
         self._models = models
 
     def collect(self) -> Iterable[Metric]:
         st = self._admission.stats(self._models())
-        depth = GaugeMetricFamily("llmgw_admission_queue_depth", "Requests waiting for admission, by model.",
-                                  labels=["model"])
+        depth = GaugeMetricFamily(
+            "llmgw_admission_queue_depth", "Requests waiting for admission, by model.", labels=["model"]
+        )
         for model, n in sorted(st.queue_depth.items()):
             depth.add_metric([model], n)
-        sat = GaugeMetricFamily("llmgw_pool_saturation",
-                                "The worse of queue depth and KV-cache use against healthy levels; 1 is the healthy limit.",
-                                labels=["model"])
+        sat = GaugeMetricFamily(
+            "llmgw_pool_saturation",
+            "The worse of queue depth and KV-cache use against healthy levels; 1 is the healthy limit.",
+            labels=["model"],
+        )
         for model, v in sorted(st.saturation.items()):
             sat.add_metric([model], v)
-        rejected = CounterMetricFamily("llmgw_admission_rejected", "Requests turned away by admission, by band.",
-                                       labels=["band"])
+        rejected = CounterMetricFamily(
+            "llmgw_admission_rejected", "Requests turned away by admission, by band.", labels=["band"]
+        )
         for band, n in sorted(st.rejected.items()):
             rejected.add_metric([band], n)
         return [depth, sat, rejected]

@@ -1,13 +1,41 @@
 """The store: SQLAlchemy Core tables and Alembic migrations over SQLite and PostgreSQL."""
 
 from .address import resolve_store_address
-from .errors import (Ambiguous, AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, NotFound, NotMember,
-                     StoreError, mask_password)
-from .records import (CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org, Project, Team,
-                      Tree, UsageRow, User)
-from .store import Store, hash_secret
+from .errors import (
+    Ambiguous,
+    AmbiguousKey,
+    KeyAlreadyRevoked,
+    KeyNotFound,
+    NotFound,
+    NotMember,
+    StoreError,
+    mask_password,
+)
+from .keyrows import hash_secret
+from .records import CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org, Project, Team, Tree, UsageRow, User
+from .store import Store
 
-__all__ = ["Ambiguous", "AmbiguousKey", "CostRow", "IssuedKey", "KeyAlreadyRevoked", "KeyNotFound",
-           "KeyRecord", "LimitRecord", "Membership", "NotFound", "NotMember", "Org", "Project",
-           "Store", "StoreError", "Team", "Tree", "UsageRow", "User", "hash_secret",
-           "mask_password", "resolve_store_address"]
+__all__ = [
+    "Ambiguous",
+    "AmbiguousKey",
+    "CostRow",
+    "IssuedKey",
+    "KeyAlreadyRevoked",
+    "KeyNotFound",
+    "KeyRecord",
+    "LimitRecord",
+    "Membership",
+    "NotFound",
+    "NotMember",
+    "Org",
+    "Project",
+    "Store",
+    "StoreError",
+    "Team",
+    "Tree",
+    "UsageRow",
+    "User",
+    "hash_secret",
+    "mask_password",
+    "resolve_store_address",
+]

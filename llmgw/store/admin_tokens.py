@@ -10,8 +10,11 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import func, or_, select, update
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from llmgw.files import new_token, token_digest
 
@@ -37,18 +40,24 @@ class AdminToken:
     last_used_at: datetime | None = None
 
 
-def _token(row) -> AdminToken:
+def _token(row: Row[Any]) -> AdminToken:
     m = row._mapping
-    return AdminToken(id=m["id"], name=m["name"], prefix=m["prefix"], created_at=m["created_at"],
-                      revoked_at=m["revoked_at"], last_used_at=m["last_used_at"])
+    return AdminToken(
+        id=m["id"],
+        name=m["name"],
+        prefix=m["prefix"],
+        created_at=m["created_at"],
+        revoked_at=m["revoked_at"],
+        last_used_at=m["last_used_at"],
+    )
 
 
 _COLS = [c for c in admin_tokens.c if c.name != "hash"]
 
 
 class AdminTokensMixin:
-    _engine: object
-    _writer: object
+    _engine: AsyncEngine
+    _writer: AsyncEngine
 
     async def create_admin_token(self, name: str) -> tuple[str, AdminToken]:
         """A new token; returns (secret, record). The secret is kept nowhere."""
@@ -56,18 +65,22 @@ class AdminTokensMixin:
         assert checked is not None  # required: refused above when missing
         name = checked
         secret = new_token(TOKEN_PREFIX)
-        rec = AdminToken(id="adm-" + secrets.token_hex(6), name=name, prefix=secret[:TOKEN_PREFIX_LEN],
-                         created_at=utcnow())
-        async with self._writer.begin() as conn:  # type: ignore[attr-defined]
-            await conn.execute(admin_tokens.insert().values(
-                id=rec.id, name=rec.name, prefix=rec.prefix, hash=token_digest(secret), created_at=rec.created_at))
+        rec = AdminToken(
+            id="adm-" + secrets.token_hex(6), name=name, prefix=secret[:TOKEN_PREFIX_LEN], created_at=utcnow()
+        )
+        async with self._writer.begin() as conn:
+            await conn.execute(
+                admin_tokens.insert().values(
+                    id=rec.id, name=rec.name, prefix=rec.prefix, hash=token_digest(secret), created_at=rec.created_at
+                )
+            )
         return secret, rec
 
     async def list_admin_tokens(self, include_revoked: bool = False) -> list[AdminToken]:
         q = select(*_COLS).order_by(admin_tokens.c.created_at, admin_tokens.c.id)
         if not include_revoked:
             q = q.where(admin_tokens.c.revoked_at.is_(None))
-        async with self._engine.connect() as conn:  # type: ignore[attr-defined]
+        async with self._engine.connect() as conn:
             return [_token(r) for r in await conn.execute(q)]
 
     async def admin_token_by_secret(self, secret: str) -> AdminToken | None:
@@ -75,19 +88,21 @@ class AdminTokensMixin:
         if not secret.startswith(TOKEN_PREFIX):
             return None
         digest = token_digest(secret)
-        async with self._engine.connect() as conn:  # type: ignore[attr-defined]
-            row = (await conn.execute(select(*_COLS).where(admin_tokens.c.hash == digest,
-                                                           admin_tokens.c.revoked_at.is_(None)))).first()
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(*_COLS).where(admin_tokens.c.hash == digest, admin_tokens.c.revoked_at.is_(None))
+                )
+            ).first()
         if row is None:
             return None
         tok = _token(row)
         now = utcnow()
         if tok.last_used_at is None or now - tok.last_used_at > _TOUCH_EVERY:
             try:
-                async with self._writer.begin() as conn:  # type: ignore[attr-defined]
-                    await conn.execute(update(admin_tokens).where(admin_tokens.c.id == tok.id)
-                                       .values(last_used_at=now))
-            except Exception:  # noqa: BLE001 - a hint not written never refuses a valid token
+                async with self._writer.begin() as conn:
+                    await conn.execute(update(admin_tokens).where(admin_tokens.c.id == tok.id).values(last_used_at=now))
+            except Exception:
                 pass
         return tok
 
@@ -105,20 +120,24 @@ class AdminTokensMixin:
             shown = query
             if len(query) >= MIN_MATCH_LEN:
                 cond = or_(cond, func.substr(admin_tokens.c.prefix, 1, len(query)) == query)
-        async with self._writer.begin() as conn:  # type: ignore[attr-defined]
+        async with self._writer.begin() as conn:
             found = [_token(r) for r in await conn.execute(select(*_COLS).where(cond))]
             exact = [t for t in found if t.id == query]
             found = exact or found
             if not found:
                 raise NotFound(f"no admin token matches '{shown}'; `llmgw ctl token list` shows their ids and prefixes")
             if len(found) > 1:
-                raise Ambiguous(f"'{shown}' matches {len(found)} admin tokens "
-                                f"({', '.join(t.id for t in found)}); give the id of the one to revoke",
-                                [t.id for t in found])
+                raise Ambiguous(
+                    f"'{shown}' matches {len(found)} admin tokens "
+                    f"({', '.join(t.id for t in found)}); give the id of the one to revoke",
+                    [t.id for t in found],
+                )
             tok = found[0]
             if tok.revoked_at is not None:
-                raise StoreError(f"the admin token {tok.id} ({tok.name!r}) was already revoked at "
-                                 f"{tok.revoked_at:%Y-%m-%d %H:%M} UTC; nothing changed")
+                raise StoreError(
+                    f"the admin token {tok.id} ({tok.name!r}) was already revoked at "
+                    f"{tok.revoked_at:%Y-%m-%d %H:%M} UTC; nothing changed"
+                )
             now = utcnow()
             await conn.execute(update(admin_tokens).where(admin_tokens.c.id == tok.id).values(revoked_at=now))
         return AdminToken(tok.id, tok.name, tok.prefix, tok.created_at, now, tok.last_used_at)

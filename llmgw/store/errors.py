@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from llmgw.errors import LlmgwError
+
 if TYPE_CHECKING:
     from .records import KeyRecord
 
 
-class StoreError(Exception):
+class StoreError(LlmgwError):
     """The store could not do what was asked; the message is meant for the user."""
 
 

@@ -30,8 +30,7 @@ _PG_LOCK_ID = 0x6C6C6D67770001
 # Alembic keeps its `context` and `op` proxies in module globals, so two migrations
 # interleaving on one event loop (SQLAlchemy runs run_sync in greenlets) would use each
 # other's. One lock per loop: an asyncio.Lock cannot be shared between loops.
-_loop_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = \
-    weakref.WeakKeyDictionary()
+_loop_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
 def _in_process_lock() -> asyncio.Lock:
@@ -44,9 +43,11 @@ def _in_process_lock() -> asyncio.Lock:
 
 def _alembic_config(connection: Connection) -> Config:
     if not (MIGRATIONS_DIR / "env.py").is_file():
-        raise StoreError(f"The store migrations are missing from {MIGRATIONS_DIR}; the llmgw "
-                         "installation is incomplete (a frozen build must bundle "
-                         "llmgw/store/migrations as data). Reinstall llmgw.")
+        raise StoreError(
+            f"The store migrations are missing from {MIGRATIONS_DIR}; the llmgw "
+            "installation is incomplete (a frozen build must bundle "
+            "llmgw/store/migrations as data). Reinstall llmgw."
+        )
     cfg = Config()
     # ConfigParser interpolates %, which a path may contain.
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
@@ -71,6 +72,8 @@ async def upgrade_to_head(engine: AsyncEngine, shown_address: str) -> None:
         try:
             await conn.run_sync(_upgrade)
         except CommandError as e:
-            raise StoreError(f"The store at {shown_address} could not be migrated ({e}). If a "
-                             "newer llmgw created it, run that version; downgrades are not "
-                             "automatic.") from None
+            raise StoreError(
+                f"The store at {shown_address} could not be migrated ({e}). If a "
+                "newer llmgw created it, run that version; downgrades are not "
+                "automatic."
+            ) from None

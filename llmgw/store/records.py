@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +25,8 @@ class KeyRecord:
     last_used_at: datetime | None = None
     expires_at: datetime | None = None
     project_id: str | None = None  # the project in the tree; None with user_id: a personal key
-    user_id: str | None = None     # the owner, if a person
-    band: str | None = None        # None: inherits from the project, team, organization
+    user_id: str | None = None  # the owner, if a person
+    band: str | None = None  # None: inherits from the project, team, organization
 
     def is_active(self, now: datetime | None = None) -> bool:
         """Not revoked and not expired at `now`; expiry does not bump keys_generation,
@@ -61,6 +62,7 @@ class UsageRow:
 
 
 # -- tenancy ----------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Org:
@@ -104,7 +106,7 @@ class Membership:
     user_id: str
     scope: str  # org | team | project
     scope_id: str
-    role: str   # member | manager
+    role: str  # member | manager
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +138,15 @@ class Tree:
         """Whether a membership of the person reaches the project (a member of a team or
         an organization may use every project in it)."""
         held = {(m.scope, m.scope_id) for m in self.memberships if m.user_id == user_id}
-        return bool(held & {("project", project.id), ("team", project.team_id),
-                            ("org", project.org_id)})
+        return bool(held & {("project", project.id), ("team", project.team_id), ("org", project.org_id)})
 
     def path_of(self, scope: str, scope_id: str) -> str:
-        node = {"org": self.orgs, "team": self.teams, "project": self.projects}[scope].get(scope_id)
+        tables: dict[str, Mapping[str, Org | Team | Project]] = {
+            "org": self.orgs,
+            "team": self.teams,
+            "project": self.projects,
+        }
+        node = tables[scope].get(scope_id)
         return node.path if node is not None else scope_id
 
 

@@ -3,16 +3,31 @@ revision must keep describing the schema as it was, whatever this file becomes."
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from sqlalchemy import (BigInteger, Boolean, Column, DateTime, Float, ForeignKey, Index, Integer,
-                        MetaData, String, Table, Text, UniqueConstraint, update)
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    update,
+)
+from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
 KEYS_GENERATION = "keys_generation"
 
 
-class UTCDateTime(TypeDecorator):
+class UTCDateTime(TypeDecorator[datetime]):
     """Aware UTC datetimes on both backends. SQLite keeps DateTime as naive text, so
     values go in as UTC (tz stripped) and come back with UTC attached; the fixed text
     format keeps comparisons in SQL correct."""
@@ -20,26 +35,27 @@ class UTCDateTime(TypeDecorator):
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
             raise ValueError("store timestamps must be timezone-aware")
-        value = value.astimezone(timezone.utc)
+        value = value.astimezone(UTC)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
-    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
 
 metadata = MetaData()
 
 api_keys = Table(
-    "api_keys", metadata,
+    "api_keys",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("name", Text, nullable=False),
     Column("prefix", String(32), nullable=False, index=True),
@@ -50,15 +66,15 @@ api_keys = Table(
     Column("last_used_at", UTCDateTime, nullable=True),
     Column("expires_at", UTCDateTime, nullable=True),
     Column("project_id", String(32), nullable=True, index=True),  # null: a personal key
-    Column("user_id", String(32), nullable=True, index=True),     # the owner, if a person
-    Column("band", String(16), nullable=True),                    # null: inherits
+    Column("user_id", String(32), nullable=True, index=True),  # the owner, if a person
+    Column("band", String(16), nullable=True),  # null: inherits
 )
 
 usage = Table(
-    "usage", metadata,
+    "usage",
+    metadata,
     # BIGINT is not SQLite's rowid alias, so it would not autoincrement there.
-    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True,
-           autoincrement=True),
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
     Column("at", UTCDateTime, nullable=False, index=True),
     Column("key_id", String(32), nullable=True),
     Column("project", Text, nullable=True),
@@ -84,7 +100,8 @@ usage = Table(
 )
 
 store_state = Table(
-    "store_state", metadata,
+    "store_state",
+    metadata,
     Column("name", String(64), primary_key=True),
     Column("value", BigInteger, nullable=False),
 )
@@ -92,7 +109,8 @@ store_state = Table(
 # Models added at run time (`ctl model add`); the spec is the model's validated JSON,
 # re-validated on every load so a newer llmgw applies its own rules to it.
 catalog_models = Table(
-    "catalog_models", metadata,
+    "catalog_models",
+    metadata,
     Column("name", String(200), primary_key=True),
     Column("spec", Text, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
@@ -101,7 +119,8 @@ catalog_models = Table(
 
 # Nodes an operator cordoned or is draining: "cordoned" or "draining".
 node_marks = Table(
-    "node_marks", metadata,
+    "node_marks",
+    metadata,
     Column("node_id", String(200), primary_key=True),
     Column("mark", String(20), nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
@@ -110,7 +129,8 @@ node_marks = Table(
 # -- tenancy (0004) -----------------------------------------------------------------
 
 organizations = Table(
-    "organizations", metadata,
+    "organizations",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("name", String(200), nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
@@ -118,7 +138,8 @@ organizations = Table(
 )
 
 teams = Table(
-    "teams", metadata,
+    "teams",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("org_id", String(32), ForeignKey("organizations.id"), nullable=False),
     Column("name", String(200), nullable=False),
@@ -127,7 +148,8 @@ teams = Table(
 )
 
 projects = Table(
-    "projects", metadata,
+    "projects",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("team_id", String(32), ForeignKey("teams.id"), nullable=False),
     Column("name", String(200), nullable=False),
@@ -136,44 +158,48 @@ projects = Table(
 )
 
 users = Table(
-    "users", metadata,
+    "users",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("email", String(320), nullable=False, unique=True),
     Column("name", Text, nullable=True),
     Column("password_hash", Text, nullable=True),  # argon2id
-    Column("state", String(16), nullable=False),   # active | suspended
+    Column("state", String(16), nullable=False),  # active | suspended
     Column("admin", Boolean, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
 )
 
 memberships = Table(
-    "memberships", metadata,
+    "memberships",
+    metadata,
     Column("user_id", String(32), ForeignKey("users.id"), primary_key=True),
-    Column("scope", String(16), primary_key=True),     # org | team | project
+    Column("scope", String(16), primary_key=True),  # org | team | project
     Column("scope_id", String(32), primary_key=True),
-    Column("role", String(16), nullable=False),        # member | manager (organizations only)
+    Column("role", String(16), nullable=False),  # member | manager (organizations only)
     Column("created_at", UTCDateTime, nullable=False),
 )
 
 # One row per level that sets anything; clearing a level deletes its row.
 limits = Table(
-    "limits", metadata,
-    Column("scope", String(20), primary_key=True),     # org | team | project | user | key | *-member
+    "limits",
+    metadata,
+    Column("scope", String(20), primary_key=True),  # org | team | project | user | key | *-member
     Column("scope_id", String(32), primary_key=True),
     Column("rpm", Integer, nullable=True),
     Column("tpm", Integer, nullable=True),
     Column("budget_micros", BigInteger, nullable=True),
-    Column("period", String(8), nullable=False),       # day | month
-    Column("models", Text, nullable=True),             # JSON list of names; null: no restriction
-    Column("band", String(16), nullable=True),         # org, team and project levels
+    Column("period", String(8), nullable=False),  # day | month
+    Column("models", Text, nullable=True),  # JSON list of names; null: no restriction
+    Column("band", String(16), nullable=True),  # org, team and project levels
     Column("updated_at", UTCDateTime, nullable=False),
 )
 
 key_claims = Table(
-    "key_claims", metadata,
+    "key_claims",
+    metadata,
     Column("token_hash", String(64), primary_key=True),
     Column("key_id", String(32), ForeignKey("api_keys.id"), nullable=False),
-    Column("sealed", Text, nullable=False),            # the secret sealed with the token; "" once used
+    Column("sealed", Text, nullable=False),  # the secret sealed with the token; "" once used
     Column("created_at", UTCDateTime, nullable=False),
     Column("expires_at", UTCDateTime, nullable=False),
     Column("used_at", UTCDateTime, nullable=True),
@@ -181,7 +207,8 @@ key_claims = Table(
 
 # Credentials of the admin API (0005): random tokens, kept as sha256 with a visible prefix.
 admin_tokens = Table(
-    "admin_tokens", metadata,
+    "admin_tokens",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("name", Text, nullable=False),
     Column("prefix", String(32), nullable=False),
@@ -193,5 +220,4 @@ admin_tokens = Table(
 
 # Every change to keys, the tree, people, memberships or limits runs this in its
 # transaction; a server polls the counter and reloads its keys when it moves.
-BUMP_GENERATION = (update(store_state).where(store_state.c.name == KEYS_GENERATION)
-                   .values(value=store_state.c.value + 1))
+BUMP_GENERATION = update(store_state).where(store_state.c.name == KEYS_GENERATION).values(value=store_state.c.value + 1)

@@ -7,40 +7,59 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Any, cast
 
 from sqlalchemy import bindparam, delete, event, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from .address import NUMERIC_PARAMS, resolve_store_address
-from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
-from .keyrows import (KEY_COLS as _KEY_COLS, PREFIX_LEN, SECRET_PREFIX, check_key_text as _check_text,
-                      hash_secret, key_from_row as _key, new_secret as _new_secret)
-from .migrate import WRITE, upgrade_to_head
-from .tenancy import TenancyMixin
 from .admin_tokens import AdminTokensMixin
+from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
+from .keyrows import KEY_COLS as _KEY_COLS
+from .keyrows import PREFIX_LEN, SECRET_PREFIX, hash_secret
+from .keyrows import check_key_text as _check_text
+from .keyrows import key_from_row as _key
+from .keyrows import new_secret as _new_secret
+from .migrate import WRITE, upgrade_to_head
 from .records import KeyRecord, UsageRow, utcnow
-from .schema import BUMP_GENERATION, KEYS_GENERATION, UTCDateTime, api_keys, catalog_models, node_marks, store_state, usage
+from .schema import (
+    BUMP_GENERATION,
+    KEYS_GENERATION,
+    UTCDateTime,
+    api_keys,
+    catalog_models,
+    node_marks,
+    store_state,
+    usage,
+)
+from .tenancy import TenancyMixin
 
-MIN_MATCH_LEN = 6         # shortest leading part of a prefix revoke_key accepts
+MIN_MATCH_LEN = 6  # shortest leading part of a prefix revoke_key accepts
 SQLITE_BUSY_TIMEOUT_S = 15.0
 
 _BUMP_GENERATION = BUMP_GENERATION
 _GENERATION = select(store_state.c.value).where(store_state.c.name == KEYS_GENERATION)
-_ACTIVE_KEYS = (select(api_keys)
-                .where(api_keys.c.revoked_at.is_(None),
-                       or_(api_keys.c.expires_at.is_(None),
-                           api_keys.c.expires_at > bindparam("now", type_=UTCDateTime())))
-                .order_by(api_keys.c.created_at, api_keys.c.id))
+_ACTIVE_KEYS = (
+    select(api_keys)
+    .where(
+        api_keys.c.revoked_at.is_(None),
+        or_(api_keys.c.expires_at.is_(None), api_keys.c.expires_at > bindparam("now", type_=UTCDateTime())),
+    )
+    .order_by(api_keys.c.created_at, api_keys.c.id)
+)
 # Only ever moves last_used_at forward, whatever order batches arrive in.
-_TOUCH_KEY = (update(api_keys)
-              .where(api_keys.c.id == bindparam("k_id"),
-                     or_(api_keys.c.last_used_at.is_(None),
-                         api_keys.c.last_used_at < bindparam("k_at", type_=UTCDateTime())))
-              .values(last_used_at=bindparam("k_at", type_=UTCDateTime())))
+_TOUCH_KEY = (
+    update(api_keys)
+    .where(
+        api_keys.c.id == bindparam("k_id"),
+        or_(api_keys.c.last_used_at.is_(None), api_keys.c.last_used_at < bindparam("k_at", type_=UTCDateTime())),
+    )
+    .values(last_used_at=bindparam("k_at", type_=UTCDateTime()))
+)
 # A row whose request_id is already stored is skipped, so a batch written twice (a retry
 # after an ambiguous failure, a journal replayed again) is stored once; same on both dialects.
 _INSERT_USAGE = {
@@ -75,12 +94,13 @@ def _create_engine(url: str) -> AsyncEngine:
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
         # The asyncpg dialect hands query values on as strings; these must be numbers.
-        numbers = {k: float(u.query[k]) for k in NUMERIC_PARAMS if k in u.query}
+        # One value per name: a name given twice comes as a tuple, which float() refuses.
+        numbers = {k: float(cast(str, u.query[k])) for k in NUMERIC_PARAMS if k in u.query}
         return create_async_engine(u.difference_update_query(numbers), connect_args=numbers)
     engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
 
     @event.listens_for(engine.sync_engine, "connect")
-    def _on_connect(dbapi_conn, _record) -> None:
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:  # the DBAPI's own objects: untyped
         # Take BEGIN away from the sqlite3 module (it skips it for SELECT and DDL);
         # _on_begin below emits it. WAL lets the server read while the CLI writes;
         # synchronous stays FULL so a committed revocation survives a power cut.
@@ -90,9 +110,8 @@ def _create_engine(url: str) -> AsyncEngine:
         cur.close()
 
     @event.listens_for(engine.sync_engine, "begin")
-    def _on_begin(conn) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE)
-                             else "BEGIN")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE) else "BEGIN")
 
     return engine
 
@@ -128,10 +147,13 @@ class Store(TenancyMixin, AdminTokensMixin):
             if engine.dialect.name == "sqlite":
                 hint = "check that the file is a SQLite database and that llmgw may write to it"
             else:
-                hint = ("check that PostgreSQL is running there, that the database exists, "
-                        "and that the user and password are right")
-            raise StoreError(f"Could not open the store at {shown}: {detail.strip()}. "
-                             f"{hint[0].upper()}{hint[1:]}.") from e
+                hint = (
+                    "check that PostgreSQL is running there, that the database exists, "
+                    "and that the user and password are right"
+                )
+            raise StoreError(
+                f"Could not open the store at {shown}: {detail.strip()}. {hint[0].upper()}{hint[1:]}."
+            ) from e
         return cls(engine, shown)
 
     async def close(self) -> None:
@@ -140,7 +162,7 @@ class Store(TenancyMixin, AdminTokensMixin):
     async def __aenter__(self) -> Store:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     @property
@@ -150,27 +172,44 @@ class Store(TenancyMixin, AdminTokensMixin):
 
     # -- keys ----------------------------------------------------------------
 
-    async def create_key(self, name: str, project: str | None = None,
-                         expires_at: datetime | None = None) -> tuple[str, KeyRecord]:
+    async def create_key(
+        self, name: str, project: str | None = None, expires_at: datetime | None = None
+    ) -> tuple[str, KeyRecord]:
         """Make a key; returns (secret, record). The secret is not kept anywhere."""
         name = _check_text("name", name, required=True)
         project = _check_text("project", project, required=False)
         now = utcnow()
         if expires_at is not None:
             if not isinstance(expires_at, datetime) or expires_at.tzinfo is None:
-                raise StoreError("The key expiry must be a timezone-aware datetime "
-                                 "(for example datetime.now(timezone.utc) + timedelta(days=30)).")
-            expires_at = expires_at.astimezone(timezone.utc)
+                raise StoreError(
+                    "The key expiry must be a timezone-aware datetime "
+                    "(for example datetime.now(timezone.utc) + timedelta(days=30))."
+                )
+            expires_at = expires_at.astimezone(UTC)
             if expires_at <= now:
-                raise StoreError(f"The key expiry {expires_at.isoformat()} is in the past; "
-                                 "give a time in the future.")
+                raise StoreError(f"The key expiry {expires_at.isoformat()} is in the past; give a time in the future.")
         secret = _new_secret()
-        record = KeyRecord(id="key-" + secrets.token_hex(6), name=name, prefix=secret[:PREFIX_LEN],
-                           hash=None, project=project, created_at=now, expires_at=expires_at)
+        record = KeyRecord(
+            id="key-" + secrets.token_hex(6),
+            name=name,
+            prefix=secret[:PREFIX_LEN],
+            hash=None,
+            project=project,
+            created_at=now,
+            expires_at=expires_at,
+        )
         async with self._writer.begin() as conn:
-            await conn.execute(api_keys.insert().values(
-                id=record.id, name=name, prefix=record.prefix, hash=hash_secret(secret),
-                project=project, created_at=now, expires_at=expires_at))
+            await conn.execute(
+                api_keys.insert().values(
+                    id=record.id,
+                    name=name,
+                    prefix=record.prefix,
+                    hash=hash_secret(secret),
+                    project=project,
+                    created_at=now,
+                    expires_at=expires_at,
+                )
+            )
             await conn.execute(_BUMP_GENERATION)
         return secret, record
 
@@ -188,8 +227,10 @@ class Store(TenancyMixin, AdminTokensMixin):
         KeyAlreadyRevoked and then changes nothing."""
         query = id_or_prefix.strip() if isinstance(id_or_prefix, str) else ""
         if not query:
-            raise KeyNotFound("Give the id of the key to revoke (key-…) or the start of its "
-                              f"prefix (at least {MIN_MATCH_LEN} characters).")
+            raise KeyNotFound(
+                "Give the id of the key to revoke (key-…) or the start of its "
+                f"prefix (at least {MIN_MATCH_LEN} characters)."
+            )
         cond = api_keys.c.id == query
         if MIN_MATCH_LEN <= len(query) <= PREFIX_LEN:
             # substr, not LIKE: LIKE treats "_" (a secret character) as a wildcard and
@@ -199,42 +240,54 @@ class Store(TenancyMixin, AdminTokensMixin):
             cond = or_(cond, api_keys.c.hash == hash_secret(query))
         shown = _shown_query(query)
         async with self._writer.begin() as conn:
-            found = [_key(r) for r in await conn.execute(
-                select(*_KEY_COLS).where(cond).order_by(api_keys.c.created_at, api_keys.c.id))]
+            found = [
+                _key(r)
+                for r in await conn.execute(
+                    select(*_KEY_COLS).where(cond).order_by(api_keys.c.created_at, api_keys.c.id)
+                )
+            ]
             exact = [k for k in found if k.id == query]
             if exact:
                 found = exact
             if not found:
-                short = (f" ('{shown}' is shorter than {MIN_MATCH_LEN} characters, so only "
-                         "ids were searched)" if len(query) < MIN_MATCH_LEN else "")
-                raise KeyNotFound(f"No API key matches '{shown}'{short}; give its id (key-…) or "
-                                  f"the start of its prefix (at least {MIN_MATCH_LEN} "
-                                  "characters), as the key list shows them.")
+                short = (
+                    f" ('{shown}' is shorter than {MIN_MATCH_LEN} characters, so only ids were searched)"
+                    if len(query) < MIN_MATCH_LEN
+                    else ""
+                )
+                raise KeyNotFound(
+                    f"No API key matches '{shown}'{short}; give its id (key-…) or "
+                    f"the start of its prefix (at least {MIN_MATCH_LEN} "
+                    "characters), as the key list shows them."
+                )
             if len(found) > 1:
                 listing = "; ".join(_describe_key(k) for k in found)
-                raise AmbiguousKey(f"'{shown}' matches {len(found)} keys: {listing}. Give the id "
-                                   "of the one to revoke.", found)
+                raise AmbiguousKey(
+                    f"'{shown}' matches {len(found)} keys: {listing}. Give the id of the one to revoke.", found
+                )
             key = found[0]
             if key.revoked_at is None:
                 now = utcnow()
-                done = await conn.execute(update(api_keys)
-                                          .where(api_keys.c.id == key.id,
-                                                 api_keys.c.revoked_at.is_(None))
-                                          .values(revoked_at=now))
+                done = await conn.execute(
+                    update(api_keys)
+                    .where(api_keys.c.id == key.id, api_keys.c.revoked_at.is_(None))
+                    .values(revoked_at=now)
+                )
                 if done.rowcount == 1:
                     await conn.execute(_BUMP_GENERATION)
                     return replace(key, revoked_at=now)
                 # Another revoker committed between our read and our update (PostgreSQL).
-                key = _key((await conn.execute(
-                    select(*_KEY_COLS).where(api_keys.c.id == key.id))).one())
-        raise KeyAlreadyRevoked(f"The key {key.id} ({key.name!r}) was already revoked at "
-                                f"{key.revoked_at.isoformat()}; nothing changed.", key)
+                key = _key((await conn.execute(select(*_KEY_COLS).where(api_keys.c.id == key.id))).one())
+        assert key.revoked_at is not None  # revoked: found so, or by the racing revoker
+        raise KeyAlreadyRevoked(
+            f"The key {key.id} ({key.name!r}) was already revoked at {key.revoked_at.isoformat()}; nothing changed.",
+            key,
+        )
 
     async def active_keys(self) -> list[KeyRecord]:
         """Keys that authenticate now (not revoked, not expired), with their hashes."""
         async with self._engine.connect() as conn:
-            return [_key(r, with_hash=True)
-                    for r in await conn.execute(_ACTIVE_KEYS, {"now": utcnow()})]
+            return [_key(r, with_hash=True) for r in await conn.execute(_ACTIVE_KEYS, {"now": utcnow()})]
 
     async def revoked_key_hashes(self) -> list[tuple[str, datetime]]:
         """(hash, revoked_at) of every revoked key, so a server can say "revoked"
@@ -246,7 +299,9 @@ class Store(TenancyMixin, AdminTokensMixin):
     async def keys_generation(self) -> int:
         """A counter bumped with every key create and revoke: poll it, reload on change."""
         async with self._engine.connect() as conn:
-            return int(await conn.scalar(_GENERATION))
+            value = await conn.scalar(_GENERATION)
+            assert value is not None  # the first migration inserts the row
+            return int(value)
 
     # -- usage ---------------------------------------------------------------
 
@@ -255,14 +310,29 @@ class Store(TenancyMixin, AdminTokensMixin):
         batch's latest time for it. Rows whose request_id is already stored are skipped."""
         if not rows:
             return
-        values = [{"at": r.at, "key_id": r.key_id, "project": r.project, "model": r.model,
-                   "served_model": r.served_model, "endpoint": r.endpoint,
-                   "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                   "latency_ms": r.latency_ms, "ttft_ms": r.ttft_ms, "status": r.status,
-                   "stream": r.stream, "user_id": r.user_id, "project_id": r.project_id,
-                   "team_id": r.team_id, "org_id": r.org_id, "cost_micros": r.cost_micros,
-                   "request_id": r.request_id}
-                  for r in rows]
+        values = [
+            {
+                "at": r.at,
+                "key_id": r.key_id,
+                "project": r.project,
+                "model": r.model,
+                "served_model": r.served_model,
+                "endpoint": r.endpoint,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "latency_ms": r.latency_ms,
+                "ttft_ms": r.ttft_ms,
+                "status": r.status,
+                "stream": r.stream,
+                "user_id": r.user_id,
+                "project_id": r.project_id,
+                "team_id": r.team_id,
+                "org_id": r.org_id,
+                "cost_micros": r.cost_micros,
+                "request_id": r.request_id,
+            }
+            for r in rows
+        ]
         latest: dict[str, datetime] = {}
         for r in rows:
             if r.key_id is not None and (r.key_id not in latest or r.at > latest[r.key_id]):
@@ -271,8 +341,7 @@ class Store(TenancyMixin, AdminTokensMixin):
             await conn.execute(_INSERT_USAGE[conn.dialect.name], values)
             if latest:
                 # Sorted, so concurrent batches lock key rows in one order (no deadlock).
-                await conn.execute(_TOUCH_KEY, [{"k_id": k, "k_at": latest[k]}
-                                                for k in sorted(latest)])
+                await conn.execute(_TOUCH_KEY, [{"k_id": k, "k_at": latest[k]} for k in sorted(latest)])
 
     async def list_usage(self, limit: int = 100, key_id: str | None = None) -> list[UsageRow]:
         """Newest first."""
@@ -286,15 +355,18 @@ class Store(TenancyMixin, AdminTokensMixin):
 
     async def count_usage(self) -> int:
         async with self._engine.connect() as conn:
-            return int(await conn.scalar(select(func.count()).select_from(usage)))
+            # COUNT(*) always yields one row.
+            return int(cast(int, await conn.scalar(select(func.count()).select_from(usage))))
 
     # -- catalog -------------------------------------------------------------
 
     async def catalog_list(self) -> list[CatalogRow]:
         """Models added at run time, by name."""
         async with self._engine.connect() as conn:
-            return [CatalogRow(**r._mapping)
-                    for r in await conn.execute(select(catalog_models).order_by(catalog_models.c.name))]
+            return [
+                CatalogRow(**r._mapping)
+                for r in await conn.execute(select(catalog_models).order_by(catalog_models.c.name))
+            ]
 
     async def catalog_put(self, name: str, spec_json: str) -> CatalogRow:
         """Insert or replace a model's spec; a replace keeps created_at. The caller
@@ -307,11 +379,12 @@ class Store(TenancyMixin, AdminTokensMixin):
         async with self._writer.begin() as conn:
             # One statement on both backends, so two control planes racing cannot both insert.
             ins = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(catalog_models)
-            await conn.execute(ins.values(name=name, spec=spec_json, created_at=now, updated_at=now)
-                               .on_conflict_do_update(index_elements=[catalog_models.c.name],
-                                                      set_={"spec": spec_json, "updated_at": now}))
-            row = (await conn.execute(select(catalog_models)
-                                      .where(catalog_models.c.name == name))).one()
+            await conn.execute(
+                ins.values(name=name, spec=spec_json, created_at=now, updated_at=now).on_conflict_do_update(
+                    index_elements=[catalog_models.c.name], set_={"spec": spec_json, "updated_at": now}
+                )
+            )
+            row = (await conn.execute(select(catalog_models).where(catalog_models.c.name == name))).one()
         return CatalogRow(**row._mapping)
 
     async def catalog_delete(self, name: str) -> bool:

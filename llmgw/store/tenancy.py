@@ -10,23 +10,33 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 from argon2 import PasswordHasher
 from argon2.exceptions import InvalidHashError, VerificationError
 from cryptography.fernet import Fernet, InvalidToken
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import Table, delete, func, or_, select, update
+from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .errors import Ambiguous, NotFound, NotMember, StoreError
 from .keyrows import KEY_COLS, PREFIX_LEN, check_key_text, hash_secret, key_from_row, new_secret
-from .records import (CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org, Project, Team,
-                      Tree, User, utcnow)
-from .schema import (BUMP_GENERATION, api_keys, key_claims, limits, memberships, organizations,
-                     projects, teams, usage, users)
+from .records import CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org, Project, Team, Tree, User, utcnow
+from .schema import (
+    BUMP_GENERATION,
+    api_keys,
+    key_claims,
+    limits,
+    memberships,
+    organizations,
+    projects,
+    teams,
+    usage,
+    users,
+)
 
 KINDS = ("org", "team", "project")
 KIND_WORDS = {"org": "organization", "team": "team", "project": "project"}
@@ -79,36 +89,53 @@ def _models_text(models: Iterable[str] | None) -> str | None:
     return None if models is None else json.dumps(sorted(set(models)))
 
 
-def _limit(row) -> LimitRecord:
+def _limit(row: Row[Any]) -> LimitRecord:
     m = row._mapping
-    return LimitRecord(scope=m["scope"], scope_id=m["scope_id"], rpm=m["rpm"], tpm=m["tpm"],
-                       budget_micros=m["budget_micros"], period=m["period"],
-                       models=None if m["models"] is None else tuple(json.loads(m["models"])),
-                       band=m["band"])
+    return LimitRecord(
+        scope=m["scope"],
+        scope_id=m["scope_id"],
+        rpm=m["rpm"],
+        tpm=m["tpm"],
+        budget_micros=m["budget_micros"],
+        period=m["period"],
+        models=None if m["models"] is None else tuple(json.loads(m["models"])),
+        band=m["band"],
+    )
 
 
-def _user(row) -> User:
+def _user(row: Row[Any]) -> User:
     m = row._mapping
-    return User(id=m["id"], email=m["email"], name=m["name"], state=m["state"],
-                admin=bool(m["admin"]), created_at=m["created_at"])
+    return User(
+        id=m["id"],
+        email=m["email"],
+        name=m["name"],
+        state=m["state"],
+        admin=bool(m["admin"]),
+        created_at=m["created_at"],
+    )
 
 
 async def _load_tree(conn: AsyncConnection, people: bool = False, with_limits: bool = False) -> Tree:
-    orgs = {r.id: Org(r.id, r.name) for r in await conn.execute(
-        select(organizations.c.id, organizations.c.name).order_by(organizations.c.name))}
+    orgs = {
+        r.id: Org(r.id, r.name)
+        for r in await conn.execute(select(organizations.c.id, organizations.c.name).order_by(organizations.c.name))
+    }
     tms: dict[str, Team] = {}
     for r in await conn.execute(select(teams.c.id, teams.c.name, teams.c.org_id).order_by(teams.c.name)):
         tms[r.id] = Team(r.id, r.name, r.org_id, f"{orgs[r.org_id].name}/{r.name}")
     projs: dict[str, Project] = {}
-    for r in await conn.execute(select(projects.c.id, projects.c.name, projects.c.team_id)
-                                .order_by(projects.c.name)):
+    for r in await conn.execute(select(projects.c.id, projects.c.name, projects.c.team_id).order_by(projects.c.name)):
         t = tms[r.team_id]
         projs[r.id] = Project(r.id, r.name, r.team_id, t.org_id, f"{t.path}/{r.name}")
     ms: tuple[Membership, ...] = ()
     us: dict[str, User] = {}
     if people:
-        ms = tuple(Membership(r.user_id, r.scope, r.scope_id, r.role) for r in await conn.execute(
-            select(memberships).order_by(memberships.c.user_id, memberships.c.scope, memberships.c.scope_id)))
+        ms = tuple(
+            Membership(r.user_id, r.scope, r.scope_id, r.role)
+            for r in await conn.execute(
+                select(memberships).order_by(memberships.c.user_id, memberships.c.scope, memberships.c.scope_id)
+            )
+        )
         us = {u.id: u for u in map(_user, await conn.execute(select(users).order_by(users.c.email)))}
     lims: dict[tuple[str, str], LimitRecord] = {}
     if with_limits:
@@ -116,10 +143,24 @@ async def _load_tree(conn: AsyncConnection, people: bool = False, with_limits: b
     return Tree(orgs, tms, projs, ms, us, lims)
 
 
+def _tables(tree: Tree) -> dict[str, Mapping[str, Org | Team | Project]]:
+    return {"org": tree.orgs, "team": tree.teams, "project": tree.projects}
+
+
+@overload
+def _find(tree: Tree, kind: Literal["org"], ref: object) -> Org: ...
+@overload
+def _find(tree: Tree, kind: Literal["team"], ref: object) -> Team: ...
+@overload
+def _find(tree: Tree, kind: Literal["project"], ref: object) -> Project: ...
+@overload
+def _find(tree: Tree, kind: str, ref: object) -> Org | Team | Project: ...
+
+
 def _find(tree: Tree, kind: str, ref: object) -> Org | Team | Project:
     """A node by id, path or unique name; refuses what names nothing or more than one."""
     word = KIND_WORDS[kind]
-    table = {"org": tree.orgs, "team": tree.teams, "project": tree.projects}[kind]
+    table = _tables(tree)[kind]
     if not isinstance(ref, str) or not ref.strip():
         raise NotFound(f"Give the {word}'s id, path or name.")
     ref = ref.strip().strip("/")
@@ -146,8 +187,7 @@ async def _find_user(conn: AsyncConnection, ref: object) -> User:
     if not isinstance(ref, str) or not ref.strip():
         raise NotFound("Give the person's id (usr-…) or email.")
     ref = ref.strip()
-    row = (await conn.execute(select(users).where(
-        or_(users.c.id == ref, users.c.email == ref.lower())))).first()
+    row = (await conn.execute(select(users).where(or_(users.c.id == ref, users.c.email == ref.lower())))).first()
     if row is None:
         raise NotFound(f'No person has the id or email "{ref}"; `llmgw users list` shows who exists.')
     return _user(row)
@@ -180,6 +220,15 @@ class TenancyMixin:
             raise StoreError(f'The kind is org, team or project, not "{kind}".')
         return _find(await self.tree(), kind, ref)
 
+    @overload
+    async def add(self, kind: Literal["org"], name: str, parent: str | None = None) -> Org: ...
+    @overload
+    async def add(self, kind: Literal["team"], name: str, parent: str | None = None) -> Team: ...
+    @overload
+    async def add(self, kind: Literal["project"], name: str, parent: str | None = None) -> Project: ...
+    @overload
+    async def add(self, kind: str, name: str, parent: str | None = None) -> Org | Team | Project: ...
+
     async def add(self, kind: str, name: str, parent: str | None = None) -> Org | Team | Project:
         """A new organization, a team in an organization, or a project in a team; its name
         must be unique among its siblings."""
@@ -188,6 +237,9 @@ class TenancyMixin:
         name = _check_name(kind, name)
         async with self._writer.begin() as conn:
             tree = await _load_tree(conn)
+            up: Org | Team | None
+            node: Org | Team | Project
+            values: dict[str, str]
             if kind == "org":
                 up, node, values = None, Org(_new_id("org"), name), {}
             elif kind == "team":
@@ -230,18 +282,18 @@ class TenancyMixin:
             return _find(await _load_tree(conn), kind, node.id)
 
     @staticmethod
-    def _siblings(tree: Tree, kind: str, node) -> tuple:
+    def _siblings(tree: Tree, kind: str, node: Org | Team | Project) -> tuple[Table, Sequence[Org | Team | Project]]:
+        # node is of the kind given.
         if kind == "org":
             return organizations, list(tree.orgs.values())
         if kind == "team":
-            return teams, [t for t in tree.teams.values() if t.org_id == node.org_id]
-        return projects, [p for p in tree.projects.values() if p.team_id == node.team_id]
+            return teams, [t for t in tree.teams.values() if t.org_id == cast(Team, node).org_id]
+        return projects, [p for p in tree.projects.values() if p.team_id == cast(Project, node).team_id]
 
     async def move(self, kind: str, ref: str, to: str) -> Team | Project:
         """A team to another organization, a project to another team."""
         if kind not in ("team", "project"):
-            raise StoreError("Only a team (to an organization) or a project (to a team) can move; "
-                             f'not "{kind}".')
+            raise StoreError(f'Only a team (to an organization) or a project (to a team) can move; not "{kind}".')
         parent_kind = "org" if kind == "team" else "team"
         async with self._writer.begin() as conn:
             tree = await _load_tree(conn)
@@ -249,13 +301,17 @@ class TenancyMixin:
             parent = _find(tree, parent_kind, to)
             table = teams if kind == "team" else projects
             column = "org_id" if kind == "team" else "team_id"
-            siblings = [n for n in (tree.teams if kind == "team" else tree.projects).values()
-                        if getattr(n, column) == parent.id and n.id != node.id]
+            siblings = [
+                n
+                for n in (tree.teams if kind == "team" else tree.projects).values()
+                if getattr(n, column) == parent.id and n.id != node.id
+            ]
             if any(s.name == node.name for s in siblings):
                 raise StoreError(f'{parent.path} has a {KIND_WORDS[kind]} named "{node.name}" already.')
             await conn.execute(update(table).where(table.c.id == node.id).values({column: parent.id}))
             await conn.execute(BUMP_GENERATION)
-            return _find(await _load_tree(conn), kind, node.id)
+            # kind is team or project, checked above.
+            return cast(Team | Project, _find(await _load_tree(conn), kind, node.id))
 
     async def remove(self, kind: str, ref: str) -> Org | Team | Project:
         """Remove an empty organization, team or project. A project that ever had a key is
@@ -271,31 +327,34 @@ class TenancyMixin:
                 inside = [p.path for p in tree.projects.values() if p.team_id == node.id]
             else:
                 inside = []
-                had_keys = await conn.scalar(select(func.count()).select_from(api_keys)
-                                             .where(api_keys.c.project_id == node.id))
-                used = await conn.scalar(select(func.count()).select_from(usage)
-                                         .where(usage.c.project_id == node.id))
+                had_keys = await conn.scalar(
+                    select(func.count()).select_from(api_keys).where(api_keys.c.project_id == node.id)
+                )
+                used = await conn.scalar(select(func.count()).select_from(usage).where(usage.c.project_id == node.id))
                 if had_keys or used:
-                    raise StoreError(f"{node.path} has had keys; a project that ever had a key is "
-                                     "never removed (its usage history refers to it).")
+                    raise StoreError(
+                        f"{node.path} has had keys; a project that ever had a key is "
+                        "never removed (its usage history refers to it)."
+                    )
             if inside:
-                raise StoreError(f"{node.path} is not empty ({', '.join(inside)}); remove or move "
-                                 "what is in it first.")
+                raise StoreError(f"{node.path} is not empty ({', '.join(inside)}); remove or move what is in it first.")
             members = [m for m in tree.memberships if m.scope == kind and m.scope_id == node.id]
             if members:
                 who = ", ".join(tree.users[m.user_id].email for m in members)
                 raise StoreError(f"{node.path} has members ({who}); `llmgw users leave` them first.")
             table = {"org": organizations, "team": teams, "project": projects}[kind]
-            await conn.execute(delete(limits).where(limits.c.scope.in_([kind, MEMBER_SCOPES[kind]]),
-                                                    limits.c.scope_id == node.id))
+            await conn.execute(
+                delete(limits).where(limits.c.scope.in_([kind, MEMBER_SCOPES[kind]]), limits.c.scope_id == node.id)
+            )
             await conn.execute(delete(table).where(table.c.id == node.id))
             await conn.execute(BUMP_GENERATION)
         return node
 
     # -- people --------------------------------------------------------------------
 
-    async def create_user(self, email: str, password: str | None = None, name: str | None = None,
-                          admin: bool = False) -> User:
+    async def create_user(
+        self, email: str, password: str | None = None, name: str | None = None, admin: bool = False
+    ) -> User:
         if not isinstance(email, str) or not _EMAIL.fullmatch(email.strip()) or len(email) > 320:
             raise StoreError(f"{email!r} is not an email address.")
         email = email.strip().lower()
@@ -313,9 +372,17 @@ class TenancyMixin:
             taken = (await conn.execute(select(users.c.id).where(users.c.email == email))).first()
             if taken:
                 raise StoreError(f"{email} has an account already ({taken.id}).")
-            await conn.execute(users.insert().values(
-                id=user.id, email=email, name=name, password_hash=pw_hash, state=user.state,
-                admin=user.admin, created_at=user.created_at))
+            await conn.execute(
+                users.insert().values(
+                    id=user.id,
+                    email=email,
+                    name=name,
+                    password_hash=pw_hash,
+                    state=user.state,
+                    admin=user.admin,
+                    created_at=user.created_at,
+                )
+            )
             await conn.execute(BUMP_GENERATION)
         return user
 
@@ -351,11 +418,16 @@ class TenancyMixin:
         async with self._writer.begin() as conn:
             person = await _find_user(conn, user)
             node = _find(await _load_tree(conn), kind, ref)
-            await conn.execute(delete(memberships).where(
-                memberships.c.user_id == person.id, memberships.c.scope == kind,
-                memberships.c.scope_id == node.id))
-            await conn.execute(memberships.insert().values(
-                user_id=person.id, scope=kind, scope_id=node.id, role=role, created_at=utcnow()))
+            await conn.execute(
+                delete(memberships).where(
+                    memberships.c.user_id == person.id, memberships.c.scope == kind, memberships.c.scope_id == node.id
+                )
+            )
+            await conn.execute(
+                memberships.insert().values(
+                    user_id=person.id, scope=kind, scope_id=node.id, role=role, created_at=utcnow()
+                )
+            )
             await conn.execute(BUMP_GENERATION)
         return person, Membership(person.id, kind, node.id, role), node.path
 
@@ -367,25 +439,35 @@ class TenancyMixin:
         async with self._writer.begin() as conn:
             person = await _find_user(conn, user)
             node = _find(await _load_tree(conn), kind, ref)
-            done = await conn.execute(delete(memberships).where(
-                memberships.c.user_id == person.id, memberships.c.scope == kind,
-                memberships.c.scope_id == node.id))
+            done = await conn.execute(
+                delete(memberships).where(
+                    memberships.c.user_id == person.id, memberships.c.scope == kind, memberships.c.scope_id == node.id
+                )
+            )
             if done.rowcount != 1:
                 raise NotMember(f"{person.email} is not a member of {node.path}.")
             tree = await _load_tree(conn, people=True)
-            revoked = await self._revoke_owned(conn, person.id, lambda k: k.project_id is not None and (
-                k.project_id not in tree.projects or not tree.reaches(person.id, tree.projects[k.project_id])))
+            revoked = await self._revoke_owned(
+                conn,
+                person.id,
+                lambda k: (
+                    k.project_id is not None
+                    and (k.project_id not in tree.projects or not tree.reaches(person.id, tree.projects[k.project_id]))
+                ),
+            )
             await conn.execute(BUMP_GENERATION)
         return node.path, revoked
 
-    async def _revoke_owned(self, conn: AsyncConnection, user_id: str, which) -> list[KeyRecord]:
-        rows = await conn.execute(select(*KEY_COLS).where(
-            api_keys.c.user_id == user_id, api_keys.c.revoked_at.is_(None)))
+    async def _revoke_owned(
+        self, conn: AsyncConnection, user_id: str, which: Callable[[KeyRecord], bool]
+    ) -> list[KeyRecord]:
+        rows = await conn.execute(
+            select(*KEY_COLS).where(api_keys.c.user_id == user_id, api_keys.c.revoked_at.is_(None))
+        )
         now = utcnow()
         gone = [k for k in map(key_from_row, rows) if which(k)]
         if gone:
-            await conn.execute(update(api_keys).where(api_keys.c.id.in_([k.id for k in gone]))
-                               .values(revoked_at=now))
+            await conn.execute(update(api_keys).where(api_keys.c.id.in_([k.id for k in gone])).values(revoked_at=now))
         return [replace(k, revoked_at=now) for k in gone]
 
     async def set_user_state(self, user: str, state: str) -> User:
@@ -420,9 +502,17 @@ class TenancyMixin:
 
     # -- keys in the tree, claims --------------------------------------------------
 
-    async def issue_key(self, name: str, *, project: str | None = None, owner: str | None = None,
-                        band: str | None = None, expires_at: datetime | None = None,
-                        claim: bool = False, claim_ttl: timedelta = CLAIM_TTL) -> IssuedKey:
+    async def issue_key(
+        self,
+        name: str,
+        *,
+        project: str | None = None,
+        owner: str | None = None,
+        band: str | None = None,
+        expires_at: datetime | None = None,
+        claim: bool = False,
+        claim_ttl: timedelta = CLAIM_TTL,
+    ) -> IssuedKey:
         """A key in a project (an operator's, or a person's there), or a person's personal
         key (owner and no project). Without either, the only project there is."""
         name = check_key_text("name", name, required=True)
@@ -450,25 +540,49 @@ class TenancyMixin:
                 (proj,) = tree.projects.values()
             if proj is not None and person is not None and not tree.reaches(person.id, proj):
                 raise NotMember(f"{person.email} is not a member of {proj.path}; `llmgw users join` first")
-            await conn.execute(api_keys.insert().values(
-                id=key_id, name=name, prefix=secret[:PREFIX_LEN], hash=hash_secret(secret),
-                project=proj.path if proj else None, created_at=now, expires_at=expires_at,
-                project_id=proj.id if proj else None, user_id=person.id if person else None, band=band))
+            await conn.execute(
+                api_keys.insert().values(
+                    id=key_id,
+                    name=name,
+                    prefix=secret[:PREFIX_LEN],
+                    hash=hash_secret(secret),
+                    project=proj.path if proj else None,
+                    created_at=now,
+                    expires_at=expires_at,
+                    project_id=proj.id if proj else None,
+                    user_id=person.id if person else None,
+                    band=band,
+                )
+            )
             token = claim_expires = None
             if claim:
                 token = secrets.token_urlsafe(32)
                 claim_expires = now + claim_ttl
-                await conn.execute(key_claims.insert().values(
-                    token_hash=hash_secret(token), key_id=key_id,
-                    sealed=_seal_key(token).encrypt(secret.encode()).decode(),
-                    created_at=now, expires_at=claim_expires))
+                await conn.execute(
+                    key_claims.insert().values(
+                        token_hash=hash_secret(token),
+                        key_id=key_id,
+                        sealed=_seal_key(token).encrypt(secret.encode()).decode(),
+                        created_at=now,
+                        expires_at=claim_expires,
+                    )
+                )
             await conn.execute(BUMP_GENERATION)
-        rec = KeyRecord(id=key_id, name=name, prefix=secret[:PREFIX_LEN], hash=None,
-                        project=proj.path if proj else None, created_at=now, expires_at=expires_at,
-                        project_id=proj.id if proj else None, user_id=person.id if person else None,
-                        band=band)
-        return IssuedKey(secret, rec, proj.path if proj else None, person.email if person else None,
-                         token, claim_expires)
+        rec = KeyRecord(
+            id=key_id,
+            name=name,
+            prefix=secret[:PREFIX_LEN],
+            hash=None,
+            project=proj.path if proj else None,
+            created_at=now,
+            expires_at=expires_at,
+            project_id=proj.id if proj else None,
+            user_id=person.id if person else None,
+            band=band,
+        )
+        return IssuedKey(
+            secret, rec, proj.path if proj else None, person.email if person else None, token, claim_expires
+        )
 
     async def claim_key(self, token: str) -> str:
         """The secret behind a claim link; works once."""
@@ -476,22 +590,28 @@ class TenancyMixin:
             raise NotFound("This claim link is not valid.")
         now = utcnow()
         async with self._writer.begin() as conn:
-            row = (await conn.execute(select(key_claims, api_keys.c.revoked_at)
-                                      .join(api_keys, api_keys.c.id == key_claims.c.key_id)
-                                      .where(key_claims.c.token_hash == hash_secret(token.strip())))).first()
+            row = (
+                await conn.execute(
+                    select(key_claims, api_keys.c.revoked_at)
+                    .join(api_keys, api_keys.c.id == key_claims.c.key_id)
+                    .where(key_claims.c.token_hash == hash_secret(token.strip()))
+                )
+            ).first()
             if row is None:
                 raise NotFound("This claim link is not valid.")
             if row.used_at is not None:
-                raise StoreError(f"This claim link was used on {row.used_at:%Y-%m-%d %H:%M} UTC; "
-                                 "it works once. Ask for a new key.")
+                raise StoreError(
+                    f"This claim link was used on {row.used_at:%Y-%m-%d %H:%M} UTC; it works once. Ask for a new key."
+                )
             if row.expires_at <= now:
-                raise StoreError(f"This claim link expired on {row.expires_at:%Y-%m-%d %H:%M} UTC; "
-                                 "ask for a new one.")
+                raise StoreError(f"This claim link expired on {row.expires_at:%Y-%m-%d %H:%M} UTC; ask for a new one.")
             if row.revoked_at is not None:
                 raise StoreError("The key behind this claim link was revoked.")
-            done = await conn.execute(update(key_claims).where(
-                key_claims.c.token_hash == row.token_hash, key_claims.c.used_at.is_(None))
-                .values(used_at=now, sealed=""))
+            done = await conn.execute(
+                update(key_claims)
+                .where(key_claims.c.token_hash == row.token_hash, key_claims.c.used_at.is_(None))
+                .values(used_at=now, sealed="")
+            )
             if done.rowcount != 1:
                 raise StoreError("This claim link was just used; it works once. Ask for a new key.")
         try:
@@ -501,10 +621,20 @@ class TenancyMixin:
 
     # -- limits --------------------------------------------------------------------
 
-    async def set_limits(self, scope: str, ref: str | None, *, per_member: bool = False,
-                         rpm: Any = UNSET, tpm: Any = UNSET, budget_micros: Any = UNSET,
-                         period: Any = UNSET, models: Any = UNSET, band: Any = UNSET,
-                         clear: bool = False) -> tuple[str, str, LimitRecord | None]:
+    async def set_limits(
+        self,
+        scope: str,
+        ref: str | None,
+        *,
+        per_member: bool = False,
+        rpm: Any = UNSET,
+        tpm: Any = UNSET,
+        budget_micros: Any = UNSET,
+        period: Any = UNSET,
+        models: Any = UNSET,
+        band: Any = UNSET,
+        clear: bool = False,
+    ) -> tuple[str, str, LimitRecord | None]:
         """Write the limits actually given on one level (None clears that one), or with
         clear delete the level's row. Returns (level, scope id, the row now or None)."""
         if scope not in LIMIT_SCOPES:
@@ -513,8 +643,13 @@ class TenancyMixin:
             raise StoreError("--scope key needs --id, the key's id")
         if per_member and scope not in MEMBER_SCOPES:
             raise StoreError("--per-member is for --scope org, team or project")
-        given = {k: v for k, v in dict(rpm=rpm, tpm=tpm, budget_micros=budget_micros, period=period,
-                                       models=models, band=band).items() if v is not UNSET}
+        given = {
+            k: v
+            for k, v in dict(
+                rpm=rpm, tpm=tpm, budget_micros=budget_micros, period=period, models=models, band=band
+            ).items()
+            if v is not UNSET
+        }
         if clear and given:
             raise StoreError("--clear removes every limit of the level; give it without other limits.")
         if not clear and not given:
@@ -539,7 +674,7 @@ class TenancyMixin:
             if scope in KINDS:
                 if not (ref or "").strip():
                     tree = await _load_tree(conn)
-                    table = {"org": tree.orgs, "team": tree.teams, "project": tree.projects}[scope]
+                    table = _tables(tree)[scope]
                     if len(table) != 1:
                         raise StoreError(f"Say which {KIND_WORDS[scope]} with --id (its id, path or name).")
                     (scope_id,) = table
@@ -548,35 +683,40 @@ class TenancyMixin:
             elif scope == "user":
                 scope_id = (await _find_user(conn, ref)).id
             else:
+                assert ref is not None  # a key scope without --id was refused above
                 found = (await conn.execute(select(api_keys.c.id).where(api_keys.c.id == ref.strip()))).first()
                 if found is None:
                     raise NotFound(f'No key has the id "{ref.strip()}"; `llmgw keys list --all` shows them.')
                 scope_id = found.id
                 if "band" in given:  # a key's band lives on the key
-                    await conn.execute(update(api_keys).where(api_keys.c.id == scope_id)
-                                       .values(band=given.pop("band")))
+                    await conn.execute(update(api_keys).where(api_keys.c.id == scope_id).values(band=given.pop("band")))
             where = (limits.c.scope == level, limits.c.scope_id == scope_id)
             old = (await conn.execute(select(limits).where(*where))).first()
             await conn.execute(delete(limits).where(*where))
             row = None
             if not clear:
-                values = ({c: old._mapping[c] for c in ("rpm", "tpm", "budget_micros", "period", "models", "band")}
-                          if old else {"period": "month"})
+                values: dict[str, Any] = (
+                    {c: old._mapping[c] for c in ("rpm", "tpm", "budget_micros", "period", "models", "band")}
+                    if old
+                    else {"period": "month"}
+                )
                 for k, v in given.items():
                     values[k] = _models_text(v) if k == "models" else v
                 if values.get("period") is None:
                     values["period"] = "month"
                 if any(values.get(c) is not None for c in ("rpm", "tpm", "budget_micros", "models", "band")):
-                    await conn.execute(limits.insert().values(scope=level, scope_id=scope_id,
-                                                              updated_at=utcnow(), **values))
+                    await conn.execute(
+                        limits.insert().values(scope=level, scope_id=scope_id, updated_at=utcnow(), **values)
+                    )
                     row = _limit((await conn.execute(select(limits).where(*where))).one())
             await conn.execute(BUMP_GENERATION)
         return level, scope_id, row
 
     async def get_limits(self, scope: str, scope_id: str) -> LimitRecord | None:
         async with self._engine.connect() as conn:
-            row = (await conn.execute(select(limits).where(limits.c.scope == scope,
-                                                           limits.c.scope_id == scope_id))).first()
+            row = (
+                await conn.execute(select(limits).where(limits.c.scope == scope, limits.c.scope_id == scope_id))
+            ).first()
         return _limit(row) if row else None
 
     # -- what the gateway reads --------------------------------------------------------
@@ -590,16 +730,21 @@ class TenancyMixin:
         and organization, for restoring budget pools at start: ask for the month before
         today and for today to fill monthly and daily budgets."""
         cols = (usage.c.key_id, usage.c.user_id, usage.c.project_id, usage.c.team_id, usage.c.org_id)
-        q = (select(*cols, func.sum(usage.c.cost_micros).label("cost"))
-             .where(usage.c.at >= since).group_by(*cols).having(func.sum(usage.c.cost_micros) > 0))
+        q = (
+            select(*cols, func.sum(usage.c.cost_micros).label("cost"))
+            .where(usage.c.at >= since)
+            .group_by(*cols)
+            .having(func.sum(usage.c.cost_micros) > 0)
+        )
         if until is not None:
             q = q.where(usage.c.at < until)
         async with self._engine.connect() as conn:
-            return [CostRow(r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, int(r.cost))
-                    for r in await conn.execute(q)]
+            return [
+                CostRow(r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, int(r.cost))
+                for r in await conn.execute(q)
+            ]
 
 
 def describe_memberships(tree: Tree, ms: Sequence[Membership]) -> str:
-    """"Acme (manager), Acme/platform" — what a person is a member of."""
-    return ", ".join(tree.path_of(m.scope, m.scope_id) + (" (manager)" if m.role == "manager" else "")
-                     for m in ms)
+    """ "Acme (manager), Acme/platform" — what a person is a member of."""
+    return ", ".join(tree.path_of(m.scope, m.scope_id) + (" (manager)" if m.role == "manager" else "") for m in ms)

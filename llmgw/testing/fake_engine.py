@@ -34,30 +34,89 @@ import base64
 import hashlib
 import math
 import os
-import signal
 import struct
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
 from aiohttp import web
+
+from llmgw.runtime import run_until_stopped
 
 FLAVOURS = ("llamacpp", "llamacpp-legacy", "vllm")
 FAULT_MODES = ("status", "close", "midstream", "hang", "stall")
 
 # Completion text is built from these; each one counts as one token.
 _WORDS = (
-    " lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit",
-    " sed", " do", " eiusmod", " tempor", " incididunt", " ut", " labore", " et",
+    " lorem",
+    " ipsum",
+    " dolor",
+    " sit",
+    " amet",
+    " consectetur",
+    " adipiscing",
+    " elit",
+    " sed",
+    " do",
+    " eiusmod",
+    " tempor",
+    " incididunt",
+    " ut",
+    " labore",
+    " et",
 )
 # vLLM's time-to-first-token and end-to-end latency buckets (v1 engine).
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 _JSON = "application/json"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -162,7 +221,7 @@ def _go_float(v: float) -> str:
     s = repr(float(v))
     dot = s.find(".")
     if v > 0 and dot > 6 and "e" not in s:
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
         return f"{mantissa}e+{dot - 1:02d}"
     return s
 
@@ -260,8 +319,7 @@ class FakeEngine:
         return self.processing + self.waiting
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024,
-                              middlewares=[self._require_key] if self.api_key else [])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._require_key] if self.api_key else [])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
@@ -270,10 +328,8 @@ class FakeEngine:
         app.router.add_get("/metrics", self._metrics)
         return app
 
-    async def start(self) -> "FakeEngine":
-        self._runner = web.AppRunner(
-            self.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0
-        )
+    async def start(self) -> FakeEngine:
+        self._runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
@@ -286,7 +342,7 @@ class FakeEngine:
             await self._runner.cleanup()
             self._runner = None
 
-    async def __aenter__(self) -> "FakeEngine":
+    async def __aenter__(self) -> FakeEngine:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -345,9 +401,14 @@ class FakeEngine:
 
     def _error(self, status: int, message: str, etype: str | None = None) -> web.Response:
         etype = etype or {
-            400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error", 501: "not_supported_error", 503: "unavailable_error",
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+            501: "not_supported_error",
+            503: "unavailable_error",
         }.get(status, "server_error")
+        body: dict[str, object]
         if self.metrics_flavour == "vllm":
             body = {"object": "error", "message": message, "type": etype, "param": None, "code": status}
         else:
@@ -469,19 +530,28 @@ class FakeEngine:
             usage = self._usage(prompt_tokens, n)
             if kind == "chat":
                 payload = {
-                    "id": self._new_id("chatcmpl"), "object": "chat.completion", "created": created,
-                    "model": self.model, "system_fingerprint": "fake",
-                    "choices": [{
-                        "index": 0,
-                        "message": {"role": "assistant", "content": self._text(n)},
-                        "logprobs": None, "finish_reason": finish,
-                    }],
+                    "id": self._new_id("chatcmpl"),
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": self.model,
+                    "system_fingerprint": "fake",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": self._text(n)},
+                            "logprobs": None,
+                            "finish_reason": finish,
+                        }
+                    ],
                     "usage": usage,
                 }
             else:
                 payload = {
-                    "id": self._new_id("cmpl"), "object": "text_completion", "created": created,
-                    "model": self.model, "system_fingerprint": "fake",
+                    "id": self._new_id("cmpl"),
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model,
+                    "system_fingerprint": "fake",
                     "choices": [{"index": 0, "text": self._text(n), "logprobs": None, "finish_reason": finish}],
                     "usage": usage,
                 }
@@ -512,8 +582,17 @@ class FakeEngine:
         else:
             obj, pieces = b"text_completion", self._text_pieces
             rid = self._new_id("cmpl").encode()
-        head = (b'data: {"id":"' + rid + b'","object":"' + obj + b'","created":' + created
-                + b',"model":' + model + b',"system_fingerprint":"fake","choices":[{"index":0,')
+        head = (
+            b'data: {"id":"'
+            + rid
+            + b'","object":"'
+            + obj
+            + b'","created":'
+            + created
+            + b',"model":'
+            + model
+            + b',"system_fingerprint":"fake","choices":[{"index":0,'
+        )
         # OpenAI sends "usage": null on every chunk when include_usage is set.
         usage_null = b',"usage":null' if include_usage else b""
         tail = b',"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
@@ -525,17 +604,34 @@ class FakeEngine:
 
         if kind == "chat":
             first = head + b'"delta":{"role":"assistant","content":""}' + tail
-            last = (head + b'"delta":{},"logprobs":null,"finish_reason":"' + finish.encode()
-                    + b'"}]' + usage_null + b"}\n\n")
+            last = (
+                head
+                + b'"delta":{},"logprobs":null,"finish_reason":"'
+                + finish.encode()
+                + b'"}]'
+                + usage_null
+                + b"}\n\n"
+            )
         else:
             first = b""
-            last = (head + b'"text":"","logprobs":null,"finish_reason":"' + finish.encode()
-                    + b'"}]' + usage_null + b"}\n\n")
+            last = (
+                head + b'"text":"","logprobs":null,"finish_reason":"' + finish.encode() + b'"}]' + usage_null + b"}\n\n"
+            )
         end = b""
         if include_usage:
-            end = (b'data: {"id":"' + rid + b'","object":"' + obj + b'","created":' + created
-                   + b',"model":' + model + b',"system_fingerprint":"fake","choices":[],"usage":'
-                   + orjson.dumps(self._usage(prompt_tokens, n)) + b"}\n\n")
+            end = (
+                b'data: {"id":"'
+                + rid
+                + b'","object":"'
+                + obj
+                + b'","created":'
+                + created
+                + b',"model":'
+                + model
+                + b',"system_fingerprint":"fake","choices":[],"usage":'
+                + orjson.dumps(self._usage(prompt_tokens, n))
+                + b"}\n\n"
+            )
         end += _DONE
 
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
@@ -623,8 +719,12 @@ class FakeEngine:
                 emb: Any = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode() if use_b64 else vec
                 data.append({"object": "embedding", "index": idx, "embedding": emb})
             self._account(prompt, 0, "stop", t0, None)
-            payload = {"object": "list", "data": data, "model": self.model,
-                       "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+            payload = {
+                "object": "list",
+                "data": data,
+                "model": self.model,
+                "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+            }
             return web.Response(body=orjson.dumps(payload), content_type=_JSON)
         finally:
             self.processing -= 1
@@ -632,9 +732,10 @@ class FakeEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         owner = "vllm" if self.metrics_flavour == "vllm" else "llamacpp"
-        payload = {"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": int(self._start_time), "owned_by": owner}
-        ]}
+        payload = {
+            "object": "list",
+            "data": [{"id": self.model, "object": "model", "created": int(self._start_time), "owned_by": owner}],
+        }
         return web.Response(body=orjson.dumps(payload), content_type=_JSON)
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -646,9 +747,10 @@ class FakeEngine:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(
-            text=self.metrics_text(), content_type="text/plain", charset="utf-8",
-            headers={"Process-Start-Time-Unix": str(int(self._start_time))}
-            if self.metrics_flavour != "vllm" else None,
+            text=self.metrics_text(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"Process-Start-Time-Unix": str(int(self._start_time))} if self.metrics_flavour != "vllm" else None,
         )
 
     # ------------------------------------------------------------ metrics
@@ -667,15 +769,27 @@ class FakeEngine:
         prompt_tps = self.prompt_tokens_total / self.prompt_seconds_total if self.prompt_seconds_total else 0.0
         pred_tps = self.completion_tokens_total / self.predict_seconds_total if self.predict_seconds_total else 0.0
         counters = [
-            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", self.prompt_tokens_total),
+            (
+                "prompt_tokens_total",
+                "Number of prompt tokens processed, excluding cached tokens",
+                self.prompt_tokens_total,
+            ),
             ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", 0),
             ("prompt_seconds_total", "Total time spent processing prompts", self.prompt_seconds_total),
             ("tokens_predicted_total", "Number of generation tokens processed", self.completion_tokens_total),
             ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predict_seconds_total),
-            ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding", self.completion_tokens_total),
+            (
+                "n_decode_total",
+                "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+                self.completion_tokens_total,
+            ),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", 0),
             ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
-            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
+            (
+                "spec_decode_num_accepted_tokens_total",
+                "Speculative: Total draft tokens accepted by the target model",
+                0,
+            ),
             ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
         ]
         gauges = [
@@ -683,7 +797,11 @@ class FakeEngine:
             ("predicted_tokens_seconds", "Average generation throughput in tokens/s", pred_tps),
             ("requests_processing", "Number of requests processing", self.processing),
             ("requests_deferred", "Number of requests deferred", self.waiting),
-            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", 1 if self.processing else 0),
+            (
+                "n_busy_slots_per_decode",
+                "Average number of busy slots per llama_decode() call",
+                1 if self.processing else 0,
+            ),
         ]
         if self.metrics_flavour == "llamacpp-legacy":
             # Older llama.cpp builds (2024 to mid 2025) also exported KV-cache gauges.
@@ -694,8 +812,10 @@ class FakeEngine:
         out = []
         for kind, items in (("counter", counters), ("gauge", gauges)):
             for name, help_, value in items:
-                out.append(f"# HELP llamacpp:{name} {help_}\n# TYPE llamacpp:{name} {kind}\n"
-                           f"llamacpp:{name} {_g(float(value))}\n")
+                out.append(
+                    f"# HELP llamacpp:{name} {help_}\n# TYPE llamacpp:{name} {kind}\n"
+                    f"llamacpp:{name} {_g(float(value))}\n"
+                )
         return "".join(out)
 
     def _vllm_metrics(self) -> str:
@@ -712,28 +832,48 @@ class FakeEngine:
                 out.append(f"vllm:{name}{suffix}{{{lab}}} {_go_float(value)}\n")
 
         def hist(name: str, help_: str, h: _Histogram) -> None:
-            samples = [("_bucket", f'le="{_go_float(b)}"', c) for b, c in zip(h.buckets, h.counts)]
+            samples: list[tuple[str, str, float]] = [
+                ("_bucket", f'le="{_go_float(b)}"', c) for b, c in zip(h.buckets, h.counts)
+            ]
             samples += [("_bucket", 'le="+Inf"', h.n), ("_count", "", h.n), ("_sum", "", h.total)]
             # (no *_created series: vLLM in multiprocess mode has none either)
             metric(name, "histogram", help_, samples)
 
-        metric("num_requests_running", "gauge", "Number of requests in model execution batches.",
-               [("", "", self.processing)])
-        metric("num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-               [("", "", self.waiting)])
-        metric("kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-               [("", "", self.kv_usage())])
-        metric("gpu_cache_usage_perc", "gauge",
-               "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-               [("", "", self.kv_usage())])
-        metric("num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
-               [("", "", 0)])
-        metric("prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-               [("", "", self.prompt_tokens_total)])
-        metric("generation_tokens_total", "counter", "Number of generation tokens processed.",
-               [("", "", self.completion_tokens_total)])
-        metric("request_success_total", "counter", "Count of successfully processed requests.",
-               [("", f'finished_reason="{r}"', self.finished.get(r, 0)) for r in ("stop", "length", "abort")])
+        metric(
+            "num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            [("", "", self.processing)],
+        )
+        metric("num_requests_waiting", "gauge", "Number of requests waiting to be processed.", [("", "", self.waiting)])
+        metric(
+            "kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", [("", "", self.kv_usage())]
+        )
+        metric(
+            "gpu_cache_usage_perc",
+            "gauge",
+            "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+            [("", "", self.kv_usage())],
+        )
+        metric("num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", [("", "", 0)])
+        metric(
+            "prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            [("", "", self.prompt_tokens_total)],
+        )
+        metric(
+            "generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            [("", "", self.completion_tokens_total)],
+        )
+        metric(
+            "request_success_total",
+            "counter",
+            "Count of successfully processed requests.",
+            [("", f'finished_reason="{r}"', self.finished.get(r, 0)) for r in ("stop", "length", "abort")],
+        )
         hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", self._ttft_hist)
         hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", self._e2e_hist)
         return "".join(out)
@@ -757,16 +897,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     fe = FakeEngine(
-        host=args.host, port=args.port, model=args.model, ttft_ms=args.ttft_ms,
-        token_ms=args.token_ms, tokens=args.tokens, metrics=args.metrics,
-        slots=args.slots or None, embedding_dim=args.embedding_dim, record=False, api_key=args.api_key,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        ttft_ms=args.ttft_ms,
+        token_ms=args.token_ms,
+        tokens=args.tokens,
+        metrics=args.metrics,
+        slots=args.slots or None,
+        embedding_dim=args.embedding_dim,
+        record=False,
+        api_key=args.api_key,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     async with fe:
         print(fe.url, flush=True)
         await stop.wait()
@@ -774,12 +918,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        import uvloop  # faster loop when available; benchmarks want the engine out of the way
-    except ImportError:
-        asyncio.run(_serve(args))
-    else:
-        uvloop.run(_serve(args))
+    # uvloop when available: benchmarks want the engine out of the way.
+    run_until_stopped(partial(_serve, args))
     return 0
 
 

@@ -3,8 +3,10 @@ import secrets
 from pathlib import Path
 
 import pytest
-
 from harness import LlamaServer, require
+
+# Seconds a test marked slow may take before pytest-timeout stops it with a stack.
+SLOW_TIMEOUT = 900
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +21,7 @@ def llama_server_bin() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from llmgw.testing.tiny_model import tiny_model_path
+    from llmgw.up.tiny_model import tiny_model_path
 
     try:
         return tiny_model_path()
@@ -61,3 +63,16 @@ def pg_address():
         require("PostgreSQL", f"no PostgreSQL answered on 127.0.0.1:5432 ({exc})")
     yield f"postgres://postgres@127.0.0.1:5432/{name}"
     asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def pytest_collection_modifyitems(config, items):
+    # Everything under tests/e2e runs real processes: mark it e2e even where a module forgets to,
+    # so `-m "not e2e"` always leaves only the fast, self-contained tests.
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.e2e)
+            # A slow test outlives the default timeout (pyproject.toml) on two loaded cores; one that
+            # names its own (the frozen-binary build) keeps it.
+            if item.get_closest_marker("slow") and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -10,14 +11,14 @@ import subprocess
 import sys
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from llmgw.testing.ports import free_port  # noqa: F401  (tests import it from here)
+from llmgw.testing.ports import free_port
+from llmgw.testing.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,24 +30,30 @@ def require(what: str, reason: str) -> None:
     pytest.skip(reason)
 
 
-def wait_http(url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None,
-              status: int = 200) -> None:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered:\n{tail}")
-        try:
-            r = httpx.get(url, timeout=2.0)
-            last = r.status_code
-            if r.status_code == status:
-                return
-        except httpx.HTTPError as exc:
-            last = exc
-        time.sleep(0.1)
-    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
-    raise TimeoutError(f"{url} did not answer {status} within {timeout}s (last: {last})\n{tail}")
+def wait_http(
+    url: str, proc: subprocess.Popen | None, timeout: float, log: Path | None = None, status: int = 200
+) -> None:
+    """Poll ``url`` until it answers ``status``; fail at once if ``proc`` exits, with the log's tail."""
+    last: list = [None]
+
+    def answered() -> bool:
+        last[0] = httpx.get(url, timeout=2.0).status_code
+        return last[0] == status
+
+    def detail() -> str:
+        tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+        code = f"exit status {proc.returncode}; " if proc is not None and proc.returncode is not None else ""
+        return f"{code}last status: {last[0]}\n{tail}"
+
+    until(
+        answered,
+        timeout,
+        f"{url} to answer {status}",
+        detail=detail,
+        alive=[proc] if proc is not None else [],
+        ignore=(httpx.HTTPError,),
+        interval=0.1,
+    )
 
 
 class Proc:
@@ -54,8 +61,9 @@ class Proc:
         self.cmd = cmd
         self.log = log
         self._logf = open(log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=cwd)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -85,12 +93,29 @@ class LlamaServer(Proc):
     def __init__(self, binary: Path, model: Path, workdir: Path, alias: str, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-               "--ctx-size", "2048", "--parallel", "2", "--jinja", "--metrics", "--alias", alias,
-               "--threads", "1", *extra]
+        cmd = [
+            str(binary),
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--ctx-size",
+            "2048",
+            "--parallel",
+            "2",
+            "--jinja",
+            "--metrics",
+            "--alias",
+            alias,
+            "--threads",
+            "1",
+            *extra,
+        ]
         super().__init__(cmd, workdir / f"llama-server-{self.port}.log")
 
-    def wait_ready(self, timeout: float = 120.0) -> "LlamaServer":
+    def wait_ready(self, timeout: float = 120.0) -> LlamaServer:
         wait_http(self.url + "/health", self.proc, timeout, self.log)
         return self
 
@@ -127,7 +152,7 @@ class Gateway(Proc):
         self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         super().__init__(llmgw_cmd("server", "--config", str(self.config)), workdir / f"gateway-{self.port}.log")
 
-    def wait_up(self, timeout: float = 30.0, ready: bool = True) -> "Gateway":
+    def wait_up(self, timeout: float = 30.0, ready: bool = True) -> Gateway:
         wait_http(self.admin + "/health", self.proc, timeout, self.log)
         if ready:
             wait_http(self.url + "/ready", self.proc, timeout, self.log)
@@ -145,22 +170,30 @@ class Gateway(Proc):
 
     def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`llmgw ctl ARGS` against this server's admin API, with its token."""
-        return subprocess.run(llmgw_cmd("ctl", *args, "--server", self.admin, "--token-file", str(self.token_file)),
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            llmgw_cmd("ctl", *args, "--server", self.admin, "--token-file", str(self.token_file)),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def keys(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(llmgw_cmd("keys", *args, "--config", str(self.config)), capture_output=True,
-                              text=True, timeout=60)
+        return subprocess.run(
+            llmgw_cmd("keys", *args, "--config", str(self.config)), capture_output=True, text=True, timeout=60
+        )
 
     def create_key(self, name: str = "test") -> str:
         """A new key, returned once the running server accepts it (it polls the store every second)."""
         r = self.keys("create", "--name", name)
         assert r.returncode == 0, r.stderr
         secret = r.stdout.strip().splitlines()[-1]
-        deadline = time.monotonic() + 3.0
-        while httpx.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {secret}"}).status_code == 401:
-            assert time.monotonic() < deadline, "a new key was not accepted within three seconds"
-            time.sleep(0.05)
+        auth = {"Authorization": f"Bearer {secret}"}
+        until(
+            lambda: httpx.get(self.url + "/v1/models", headers=auth).status_code != 401,
+            10,
+            "the server to accept a new key",
+            [self],
+        )
         return secret
 
 
@@ -170,7 +203,7 @@ def serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = files.get(self.path)
             if body is None:
                 self.send_response(404)
@@ -181,7 +214,7 @@ def serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_HEAD(self):  # noqa: N802
+        def do_HEAD(self):
             body = files.get(self.path)
             self.send_response(404 if body is None else 200)
             if body is not None:
@@ -212,19 +245,6 @@ def release_files(binary: Path, tag: str) -> dict[str, bytes]:
     return {f"/{tag}/{asset}": archive, f"/{tag}/{asset}.sha256": f"{digest}  {asset}\n".encode()}
 
 
-def wait_until(cond, timeout: float, what: str, procs: list, detail=None):
-    """Poll ``cond`` until it returns something true (an HTTP error counts as not yet);
-    on timeout fail with ``detail()`` and the tail of every process's log."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = cond()
-        except httpx.HTTPError:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            logs = "\n\n".join(f"--- {p.log}\n{p.text()[-2500:]}" for p in procs)
-            extra = f"; {detail()}" if detail is not None else ""
-            raise AssertionError(f"timed out waiting for {what}{extra}\n{logs}")
-        time.sleep(0.2)
+# The shared until() as end-to-end tests call it: wait_until(cond, timeout, what, procs, detail); an HTTP
+# error (a server not up yet) counts as "not yet", and a failure shows the tail of every process's log.
+wait_until = functools.partial(until, ignore=(httpx.HTTPError,), interval=0.2)

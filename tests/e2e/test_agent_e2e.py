@@ -25,11 +25,23 @@ import openai
 import pytest
 import yaml
 from aiohttp import web
-
 from harness import Proc, free_port, llmgw_cmd, release_archive, serve_files
-from llmgw.agent.client import STREAM_PATH
-from llmgw.protocol import (Ack, DrainShard, EngineProfile, EngineWant, Heartbeat, Provision, Register, ShardStatus, StartShard,
-                            decode, encode)
+
+from llmgw.protocol import (
+    STREAM_PATH,
+    Ack,
+    DrainShard,
+    EngineProfile,
+    EngineWant,
+    Heartbeat,
+    Provision,
+    Register,
+    ShardStatus,
+    StartShard,
+    decode,
+    encode,
+)
+from llmgw.testing.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -83,8 +95,9 @@ class StandIn:
                 self.registers.append(msg)
                 for frame_out in self.on_register:
                     await ws.send_bytes(frame_out)
-                await ws.send_bytes(encode(Provision(engines=[EngineWant(engine="llamacpp", version=TAG,
-                                                                         source_url=self.release_url)])))
+                await ws.send_bytes(
+                    encode(Provision(engines=[EngineWant(engine="llamacpp", version=TAG, source_url=self.release_url)]))
+                )
             elif isinstance(msg, Heartbeat):
                 for p in msg.provision or ():
                     self.provision[p.engine] = p.state.value
@@ -95,13 +108,25 @@ class StandIn:
                 self.statuses.append(msg)
             elif isinstance(msg, Ack):
                 self.acks.append(msg)
-            running = any(s.shard_id == "tiny-0" for s in (self.registers[-1].shards or ())) if self.registers else False
-            if (self.start_shard and not sent_start and not running and self.provision.get("llamacpp") == "ready"):
+            running = (
+                any(s.shard_id == "tiny-0" for s in (self.registers[-1].shards or ())) if self.registers else False
+            )
+            if self.start_shard and not sent_start and not running and self.provision.get("llamacpp") == "ready":
                 sent_start = True
-                await ws.send_bytes(encode(StartShard(
-                    id="start-1", shard_id="tiny-0", replica_id="r1", model="tiny", engine="llamacpp",
-                    source=self.model_url, http_port=self.engine_port,
-                    profile=EngineProfile(context_size=2048, parallel=2, args=["--threads", "1"]))))
+                await ws.send_bytes(
+                    encode(
+                        StartShard(
+                            id="start-1",
+                            shard_id="tiny-0",
+                            replica_id="r1",
+                            model="tiny",
+                            engine="llamacpp",
+                            source=self.model_url,
+                            http_port=self.engine_port,
+                            profile=EngineProfile(context_size=2048, parallel=2, args=["--threads", "1"]),
+                        )
+                    )
+                )
         return ws
 
     def state(self, shard: str) -> str | None:
@@ -111,49 +136,50 @@ class StandIn:
         return None
 
 
-def _wait(cond, timeout: float, what: str, agent: Proc) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if not agent.alive():
-            raise AssertionError(f"the agent exited while waiting for {what}:\n{agent.text()[-4000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}:\n{agent.text()[-4000:]}")
-        time.sleep(0.1)
-
-
+@pytest.mark.slow  # minutes on two cores
 def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin, tiny_model, tmp_path):
     archive = release_archive(llama_server_bin, TAG)
     digest = hashlib.sha256(archive).hexdigest()
-    base, stop_files = serve_files({
-        f"/{TAG}/{ASSET}": archive,
-        f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode(),
-        "/models/tiny.gguf": tiny_model.read_bytes(),
-    })
+    base, stop_files = serve_files(
+        {
+            f"/{TAG}/{ASSET}": archive,
+            f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode(),
+            "/models/tiny.gguf": tiny_model.read_bytes(),
+        }
+    )
     engine_port = free_port()
     cp = StandIn(base, base + "/models/tiny.gguf", engine_port)
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "server": f"127.0.0.1:{cp.port}", "tls": None, "node_id": "node-a",
-        "heartbeat_interval": "500ms", "reconnect_base": "200ms", "reconnect_max": "1s",
-        "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
-        "supervisor": {"work_dir": str(tmp_path / "state"), "health_interval": "250ms", "stop_timeout": "10s"},
-        "discovery": {"skip_gpus": True},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": f"127.0.0.1:{cp.port}",
+                "tls": None,
+                "node_id": "node-a",
+                "heartbeat_interval": "500ms",
+                "reconnect_base": "200ms",
+                "reconnect_max": "1s",
+                "weights_cache": str(tmp_path / "weights"),
+                "engines_dir": str(tmp_path / "engines"),
+                "supervisor": {"work_dir": str(tmp_path / "state"), "health_interval": "250ms", "stop_timeout": "10s"},
+                "discovery": {"skip_gpus": True},
+            }
+        )
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent1.log", env=env)
     engine_pid = None
     try:
-        _wait(lambda: cp.registers, 30, "the agent to register", agent)
+        until(lambda: cp.registers, 30, "the agent to register", alive=[agent])
         reg = cp.registers[0]
         assert reg.node_id == "node-a" and reg.protocol_version >= 1 and reg.inventory.memory.total_bytes > 0
-        _wait(lambda: cp.provision.get("llamacpp") == "ready", 120, "llama.cpp to be installed", agent)
+        until(lambda: cp.provision.get("llamacpp") == "ready", 120, "llama.cpp to be installed", alive=[agent])
         installed = list((tmp_path / "engines").rglob("llama-server"))
         assert installed, "nothing was installed under engines_dir"
-        _wait(lambda: cp.state("tiny-0") == "ready", 120, "the shard to be ready", agent)
+        until(lambda: cp.state("tiny-0") == "ready", 120, "the shard to be ready", alive=[agent])
         assert (tmp_path / "weights").exists() and any((tmp_path / "weights").iterdir())
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{engine_port}/v1", api_key="x", max_retries=0)
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=4)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.usage.completion_tokens == 4
         engine_pid = next(s.pid for s in reversed(cp.statuses) if s.shard_id == "tiny-0" and s.pid)
 
@@ -170,7 +196,7 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
                             failures.append("not 200")
                     except httpx.HTTPError as exc:
                         failures.append(repr(exc))
-                    time.sleep(0.02)
+                    time.sleep(0.02)  # a sampling rate: the watch runs the whole restart long
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -179,8 +205,8 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
         cp.start_shard = False
         registered = len(cp.registers)
         agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent2.log", env=env)
-        _wait(lambda: len(cp.registers) > registered, 30, "the restarted agent to register", agent)
-        time.sleep(1.0)
+        until(lambda: len(cp.registers) > registered, 30, "the restarted agent to register", alive=[agent])
+        time.sleep(1.0)  # the engine keeps answering for a while under the new agent, too
         watching.clear()
         watcher.join()
         assert failures == [], f"the engine stopped answering while the agent restarted: {failures[:5]}"
@@ -193,9 +219,9 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
         # The next agent adopts it again and drains it on request: the engine is idle, so it stops at once.
         registered = len(cp.registers)
         agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent3.log", env=env)
-        _wait(lambda: len(cp.registers) > registered, 30, "the third agent to register", agent)
+        until(lambda: len(cp.registers) > registered, 30, "the third agent to register", alive=[agent])
         cp.send(DrainShard(id="drain-1", shard_id="tiny-0", timeout_s=30))
-        _wait(lambda: any(a.id == "drain-1" for a in cp.acks), 30, "the drain to finish", agent)
+        until(lambda: any(a.id == "drain-1" for a in cp.acks), 30, "the drain to finish", alive=[agent])
         assert next(a for a in cp.acks if a.id == "drain-1").ok
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{engine_port}/health", timeout=2)
@@ -245,14 +271,22 @@ def test_bad_archives_are_refused_with_the_reason_and_nothing_installed(kind, ll
     base, stop_files = serve_files({f"/{TAG}/{ASSET}": body, f"/{TAG}/{ASSET}.sha256": f"{digest}  {ASSET}\n".encode()})
     cp = StandIn(base, base + "/none", free_port())
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "server": f"127.0.0.1:{cp.port}", "tls": None, "heartbeat_interval": "300ms",
-        "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
-        "supervisor": {"work_dir": str(tmp_path / "state")}, "discovery": {"skip_gpus": True},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": f"127.0.0.1:{cp.port}",
+                "tls": None,
+                "heartbeat_interval": "300ms",
+                "weights_cache": str(tmp_path / "weights"),
+                "engines_dir": str(tmp_path / "engines"),
+                "supervisor": {"work_dir": str(tmp_path / "state")},
+                "discovery": {"skip_gpus": True},
+            }
+        )
+    )
     agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log")
     try:
-        _wait(lambda: cp.provision.get("llamacpp") == "failed", 60, "the install to fail", agent)
+        until(lambda: cp.provision.get("llamacpp") == "failed", 60, "the install to fail", alive=[agent])
         assert words in (cp.failure or ""), cp.failure
         assert not list((tmp_path / "engines").rglob("llama-server")), "something was installed"
         assert not (tmp_path / "evil.sh").exists() and not (tmp_path / "engines" / "evil.sh").exists()
@@ -269,26 +303,46 @@ def test_bad_requests_are_answered_with_reasons_and_the_agent_keeps_running(tmp_
     cp.on_register = [
         b'{"type": "start_shard", "id": "bad-1", "payload": {"shard_id": "s", "engine": "llamacpp", "gpus": ["zero"]}}',
         b"this is not json",
-        encode(StartShard(id="start-2", shard_id="s2", engine="ollama", model="m", source="/nonexistent/m.gguf",
-                          http_port=free_port())),
+        encode(
+            StartShard(
+                id="start-2",
+                shard_id="s2",
+                engine="ollama",
+                model="m",
+                source="/nonexistent/m.gguf",
+                http_port=free_port(),
+            )
+        ),
     ]
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "server": f"127.0.0.1:{cp.port}", "tls": None, "heartbeat_interval": "300ms",
-        "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
-        "supervisor": {"work_dir": str(tmp_path / "state")}, "discovery": {"skip_gpus": True},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": f"127.0.0.1:{cp.port}",
+                "tls": None,
+                "heartbeat_interval": "300ms",
+                "weights_cache": str(tmp_path / "weights"),
+                "engines_dir": str(tmp_path / "engines"),
+                "supervisor": {"work_dir": str(tmp_path / "state")},
+                "discovery": {"skip_gpus": True},
+            }
+        )
+    )
     agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log")
     try:
-        _wait(lambda: any(a.id == "bad-1" for a in cp.acks) and cp.state("s2") == "failed", 30,
-              "the refusals", agent)
+        until(
+            lambda: any(a.id == "bad-1" for a in cp.acks) and cp.state("s2") == "failed",
+            30,
+            "the refusals",
+            alive=[agent],
+        )
         bad = next(a for a in cp.acks if a.id == "bad-1")
         assert not bad.ok and "gpus[0]" in bad.error
         reason = next(s.reason for s in reversed(cp.statuses) if s.shard_id == "s2" and s.state.value == "failed")
         assert reason and 'unknown engine "ollama"' in reason, reason
         log = agent.text()
         assert "gpus[0]" in log and "json" in log.lower()
-        time.sleep(0.7)
+        time.sleep(0.7)  # time passes to show the refusals do not end the agent or its connection
         assert agent.alive() and len(cp.registers) == 1  # still the same connection
     finally:
         assert agent.stop() == 0, agent.text()[-3000:]

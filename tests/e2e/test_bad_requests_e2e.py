@@ -25,8 +25,22 @@ pytestmark = pytest.mark.e2e
 
 def fake_engine(tmp_path, ttft_ms: int) -> tuple[Proc, str]:
     port = free_port()
-    engine = Proc([sys.executable, "-m", "llmgw.testing.fake_engine", "--port", str(port), "--model", "fake",
-                   "--ttft-ms", str(ttft_ms), "--tokens", "3"], tmp_path / "fake-engine.log")
+    engine = Proc(
+        [
+            sys.executable,
+            "-m",
+            "llmgw.testing.fake_engine",
+            "--port",
+            str(port),
+            "--model",
+            "fake",
+            "--ttft-ms",
+            str(ttft_ms),
+            "--tokens",
+            "3",
+        ],
+        tmp_path / "fake-engine.log",
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", engine.proc, 30, engine.log)
     return engine, url
@@ -36,9 +50,14 @@ def test_bad_requests_on_every_listener_get_the_error_shape_and_leave_no_traceba
     engine, url = fake_engine(tmp_path, ttft_ms=0)
     ports = {"metrics_listen": free_port(), "agent_listen": free_port()}
     # Every listener llmgw server has: the agents' too (plaintext here, the parser comes before TLS matters).
-    gw = Gateway(tmp_path, models=[{"name": "fake", "endpoints": [{"url": url, "engine": "llamacpp"}]}],
-                 metrics_listen=f"127.0.0.1:{ports['metrics_listen']}", agent_listen=f"127.0.0.1:{ports['agent_listen']}",
-                 agent_tls=None, control={"enabled": True}).wait_up()
+    gw = Gateway(
+        tmp_path,
+        models=[{"name": "fake", "endpoints": [{"url": url, "engine": "llamacpp"}]}],
+        metrics_listen=f"127.0.0.1:{ports['metrics_listen']}",
+        agent_listen=f"127.0.0.1:{ports['agent_listen']}",
+        agent_tls=None,
+        control={"enabled": True},
+    ).wait_up()
     try:
         _refusals(gw, {"listen": gw.port, "admin_listen": gw.admin_port, **ports})
     finally:
@@ -52,18 +71,37 @@ def _refusals(gw: Gateway, ports: dict[str, int]) -> None:
     client = ports["listen"]
     cases = [
         (client, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + b"a" * 9000 + b"\r\n\r\n", 400, "header_too_large"),
-        (client, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300))
-         + b"\r\n", 400, "too_many_headers"),
+        (
+            client,
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n",
+            400,
+            "too_many_headers",
+        ),
         (client, b"GET not-a-path HTTP/1.1\r\nHost: x\r\n\r\n", 400, "bad_request_line"),
         (client, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth + b"\x00\r\n\r\n", 400, "bad_header"),
-        (client, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key[:20].encode()
-         + b"\xc3\xa9\xff\r\nConnection: close\r\n\r\n", 401, "invalid_api_key"),
-        (client, (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
-                  b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"), 401, "invalid_api_key"),
+        (
+            client,
+            b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + key[:20].encode()
+            + b"\xc3\xa9\xff\r\nConnection: close\r\n\r\n",
+            401,
+            "invalid_api_key",
+        ),
+        (
+            client,
+            (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                b"Content-Length: 2\r\nConnection: close\r\n\r\n{}"
+            ),
+            401,
+            "invalid_api_key",
+        ),
     ]
     # The same NUL after a key on the other listeners, refused before any of their routes.
-    cases += [(ports[n], b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + b"\x00\r\n\r\n", 400, "bad_header")
-              for n in ("admin_listen", "metrics_listen", "agent_listen")]
+    cases += [
+        (ports[n], b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + b"\x00\r\n\r\n", 400, "bad_header")
+        for n in ("admin_listen", "metrics_listen", "agent_listen")
+    ]
     for port, data, status, code in cases:
         raw = exchange(port, data)
         got, headers, body = split(raw)
@@ -87,22 +125,33 @@ def _refusals(gw: Gateway, ports: dict[str, int]) -> None:
 def _slow_request(port: int, stream: bool, out: dict, name: str) -> None:
     body = orjson.dumps({"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
     # A keep-alive request: HTTP/1.1 and no Connection header.
-    out[name] = exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(body) + body, timeout=30)
+    out[name] = exchange(
+        port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        timeout=30,
+    )
 
 
 def test_requests_running_when_sigterm_arrives_are_answered_with_connection_close(tmp_path):
     engine, url = fake_engine(tmp_path, ttft_ms=4000)
-    gw = Gateway(tmp_path, models=[{"name": "fake", "endpoints": [{"url": url, "engine": "llamacpp"}]}],
-                 auth={"enabled": False}).wait_up()
+    gw = Gateway(
+        tmp_path, models=[{"name": "fake", "endpoints": [{"url": url, "engine": "llamacpp"}]}], auth={"enabled": False}
+    ).wait_up()
     try:
         out: dict[str, bytes] = {}
-        threads = [threading.Thread(target=_slow_request, args=(gw.port, stream, out, name))
-                   for name, stream in (("plain", False), ("stream", True))]
+        threads = [
+            threading.Thread(target=_slow_request, args=(gw.port, stream, out, name))
+            for name, stream in (("plain", False), ("stream", True))
+        ]
         for t in threads:
             t.start()
-        wait_until(lambda: "requests_processing 2" in httpx.get(url + "/metrics").text, 20,
-                   "both requests to reach the engine", [gw, engine])
+        wait_until(
+            lambda: "requests_processing 2" in httpx.get(url + "/metrics").text,
+            20,
+            "both requests to reach the engine",
+            [gw, engine],
+        )
         gw.proc.send_signal(signal.SIGTERM)
 
         def refused() -> bool:

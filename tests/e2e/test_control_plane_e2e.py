@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import time
 
 import httpx
 import pytest
 import yaml
-
-from harness import Gateway, Proc, free_port, llmgw_cmd
+from harness import Gateway, Proc, free_port, llmgw_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -21,13 +19,26 @@ def _ctl(*args: str) -> None:
 
 def _agent(tmp_path, name: str, cert_node: str, port: int, pki) -> Proc:
     cfg = tmp_path / f"agent-{name}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "server": f"127.0.0.1:{port}", "node_id": name,
-        "tls": {"ca": str(pki / "ca.pem"), "cert": str(pki / f"{cert_node}.pem"), "key": str(pki / f"{cert_node}-key.pem")},
-        "heartbeat_interval": "500ms", "reconnect_base": "300ms", "reconnect_max": "1s",
-        "weights_cache": str(tmp_path / name / "weights"), "engines_dir": str(tmp_path / name / "engines"),
-        "supervisor": {"work_dir": str(tmp_path / name / "state")}, "discovery": {"skip_gpus": True},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": f"127.0.0.1:{port}",
+                "node_id": name,
+                "tls": {
+                    "ca": str(pki / "ca.pem"),
+                    "cert": str(pki / f"{cert_node}.pem"),
+                    "key": str(pki / f"{cert_node}-key.pem"),
+                },
+                "heartbeat_interval": "500ms",
+                "reconnect_base": "300ms",
+                "reconnect_max": "1s",
+                "weights_cache": str(tmp_path / name / "weights"),
+                "engines_dir": str(tmp_path / name / "engines"),
+                "supervisor": {"work_dir": str(tmp_path / name / "state")},
+                "discovery": {"skip_gpus": True},
+            }
+        )
+    )
     return Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / f"agent-{name}.log")
 
 
@@ -38,34 +49,57 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
     _ctl("issue-client", "node-a", "--dir", str(pki))
     _ctl("issue-client", "node-b", "--dir", str(pki))
     agent_port = free_port()
-    huge = {"name": "huge", "source": str(pki / "ca.pem"), "scaling": {"min": 0, "max": 1},
-            "profiles": [{"engine": "llamacpp", "min_memory_gb": 100000}]}
-    gw = Gateway(tmp_path, models=[huge], agent_listen=f"127.0.0.1:{agent_port}",
-                 agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
-                 control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"},
-                 engines={"llamacpp": None}).wait_up(ready=False)
+    huge = {
+        "name": "huge",
+        "source": str(pki / "ca.pem"),
+        "scaling": {"min": 0, "max": 1},
+        "profiles": [{"engine": "llamacpp", "min_memory_gb": 100000}],
+    }
+    gw = Gateway(
+        tmp_path,
+        models=[huge],
+        agent_listen=f"127.0.0.1:{agent_port}",
+        agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
+        control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"},
+        engines={"llamacpp": None},
+    ).wait_up(ready=False)
     good = _agent(tmp_path, "node-a", "node-a", agent_port, pki)
     # node-c presents node-b's certificate: the control plane refuses it, naming both.
     impostor = _agent(tmp_path, "node-c", "node-b", agent_port, pki)
+
+    def node_map() -> dict:
+        return {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]}
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            nodes = {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]}
-            if "node-a" in nodes and nodes["node-a"]["memory"]:
-                break
-            assert time.monotonic() < deadline, f"node-a did not register:\n{good.text()[-3000:]}\n{gw.text()[-3000:]}"
-            time.sleep(0.2)
+        nodes = wait_until(
+            lambda: m if "node-a" in (m := node_map()) and m["node-a"]["memory"] else None,
+            30,
+            "node-a to register",
+            [good, gw],
+        )
         assert nodes["node-a"]["state"] == "ready" and nodes["node-a"]["connected"]
-        listing = subprocess.run(llmgw_cmd("ctl", "nodes", "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True, timeout=60)
+        listing = subprocess.run(
+            llmgw_cmd("ctl", "nodes", "--server", gw.admin, "--token-file", str(gw.token_file)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert listing.returncode == 0 and "node-a" in listing.stdout and "ready" in listing.stdout, listing.stderr
-        deadline = time.monotonic() + 15
-        while "the certificate is for node-b but the agent claims to be node-c" not in impostor.text():
-            assert time.monotonic() < deadline, f"no refusal logged:\n{impostor.text()[-3000:]}"
-            time.sleep(0.2)
+        wait_until(
+            lambda: "the certificate is for node-b but the agent claims to be node-c" in impostor.text(),
+            15,
+            "the impostor's refusal logged",
+            [impostor],
+        )
         assert "node-c" not in nodes
 
         def ctl(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run(llmgw_cmd(*args, "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True, timeout=60)
+            return subprocess.run(
+                llmgw_cmd(*args, "--server", gw.admin, "--token-file", str(gw.token_file)),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
 
         # Logs come through the agent's own stream.
         r = ctl("ctl", "logs", "node-a", "-n", "50")
@@ -74,20 +108,22 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
         assert r.returncode == 1 and "no log named no-such-shard" in r.stderr
         # Placement explains itself in words: this node is far too small for the model.
         r = ctl("ctl", "explain-placement", "huge")
-        assert r.returncode == 0 and "node-a: not chosen" in r.stdout and "needs 100000" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "node-a: not chosen" in r.stdout and "needs 100000" in r.stdout, (
+            r.stdout + r.stderr
+        )
         # Only a lost node can be forgotten.
         r = ctl("node", "remove", "node-a")
         assert r.returncode == 1 and "ready" in r.stderr
         assert good.stop() == 0, good.text()[-3000:]
-        deadline = time.monotonic() + 15
-        while {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]}["node-a"]["state"] != "lost":
-            assert time.monotonic() < deadline, "node-a did not become lost"
-            time.sleep(0.2)
+        wait_until(lambda: node_map()["node-a"]["state"] == "lost", 15, "node-a to become lost", [gw])
         r = ctl("ctl", "logs", "node-a")
         assert r.returncode == 1 and "not connected" in r.stderr
         r = ctl("node", "remove", "node-a")
         assert r.returncode == 0 and "removed node-a" in r.stdout, r.stderr
-        assert all(n["node_id"] != "node-a" for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"])
+        assert all(
+            n["node_id"] != "node-a"
+            for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]
+        )
     finally:
         if good.alive():
             good.stop()
@@ -96,27 +132,44 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
 
 
 def test_control_plane_refuses_to_start_without_its_certificates(tmp_path):
-    gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{free_port()}",
-                 agent_tls={"ca": str(tmp_path / "nope.pem"), "cert": str(tmp_path / "s.pem"), "key": str(tmp_path / "k.pem")},
-                 control={"enabled": True})
+    gw = Gateway(
+        tmp_path,
+        models=[],
+        agent_listen=f"127.0.0.1:{free_port()}",
+        agent_tls={"ca": str(tmp_path / "nope.pem"), "cert": str(tmp_path / "s.pem"), "key": str(tmp_path / "k.pem")},
+        control={"enabled": True},
+    )
     assert gw.proc.wait(30) == 1
     assert "agent_tls:" in gw.text() and "llmgw ctl cert init-ca" in gw.text()
 
 
 def test_catalog_commands_against_a_running_control_plane(tmp_path, tiny_model):
-    declared = {"name": "declared-model", "source": str(tiny_model),
-                "profiles": [{"engine": "llamacpp"}]}
-    gw = Gateway(tmp_path, models=[declared], agent_listen=f"127.0.0.1:{free_port()}", agent_tls=None,
-                 control={"enabled": True}).wait_up(ready=False)
+    declared = {"name": "declared-model", "source": str(tiny_model), "profiles": [{"engine": "llamacpp"}]}
+    gw = Gateway(
+        tmp_path, models=[declared], agent_listen=f"127.0.0.1:{free_port()}", agent_tls=None, control={"enabled": True}
+    ).wait_up(ready=False)
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(llmgw_cmd("ctl", *args, "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            llmgw_cmd("ctl", *args, "--server", gw.admin, "--token-file", str(gw.token_file)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     try:
         model = tmp_path / "model.yaml"
-        model.write_text(yaml.safe_dump({"name": "tiny", "aliases": ["small"], "source": str(tiny_model),
-                                         "scaling": {"min": 0, "max": 1},
-                                         "profiles": [{"engine": "llamacpp", "min_memory_gb": 1}]}))
+        model.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "tiny",
+                    "aliases": ["small"],
+                    "source": str(tiny_model),
+                    "scaling": {"min": 0, "max": 1},
+                    "profiles": [{"engine": "llamacpp", "min_memory_gb": 1}],
+                }
+            )
+        )
         r = ctl("model", "add", "-f", str(model))
         assert r.returncode == 0 and "added tiny: on demand" in r.stdout, r.stderr
         r = ctl("models")
@@ -128,27 +181,47 @@ def test_catalog_commands_against_a_running_control_plane(tmp_path, tiny_model):
         assert r.returncode == 1 and "declared in server.yaml" in r.stderr
         # A source that does not exist is refused and nothing is added.
         bad = tmp_path / "bad.yaml"
-        bad.write_text(yaml.safe_dump({"name": "ghost", "source": str(tmp_path / "missing.gguf"),
-                                       "profiles": [{"engine": "llamacpp"}]}))
+        bad.write_text(
+            yaml.safe_dump(
+                {"name": "ghost", "source": str(tmp_path / "missing.gguf"), "profiles": [{"engine": "llamacpp"}]}
+            )
+        )
         r = ctl("model", "add", "-f", str(bad))
         assert r.returncode == 1 and "missing.gguf" in r.stderr
         # An alias already taken is refused.
         dup = tmp_path / "dup.yaml"
-        dup.write_text(yaml.safe_dump({"name": "other", "aliases": ["small"], "source": str(tiny_model),
-                                       "profiles": [{"engine": "llamacpp"}]}))
+        dup.write_text(
+            yaml.safe_dump(
+                {"name": "other", "aliases": ["small"], "source": str(tiny_model), "profiles": [{"engine": "llamacpp"}]}
+            )
+        )
         r = ctl("model", "add", "-f", str(dup))
         assert r.returncode == 1 and "small" in r.stderr
         assert "ghost" not in ctl("models", "--json").stdout
         # Run-time models survive a restart of the control plane.
         assert gw.stop() == 0, gw.text()[-3000:]
-        gw2 = Gateway(tmp_path, models=[declared], store=gw.store, agent_listen=f"127.0.0.1:{free_port()}",
-                      agent_tls=None, control={"enabled": True}).wait_up(ready=False)
+        gw2 = Gateway(
+            tmp_path,
+            models=[declared],
+            store=gw.store,
+            agent_listen=f"127.0.0.1:{free_port()}",
+            agent_tls=None,
+            control={"enabled": True},
+        ).wait_up(ready=False)
         try:
-            r = subprocess.run(llmgw_cmd("ctl", "models", "--json", "--server", gw2.admin, "--token-file", str(gw2.token_file)), capture_output=True,
-                               text=True, timeout=60)
+            r = subprocess.run(
+                llmgw_cmd("ctl", "models", "--json", "--server", gw2.admin, "--token-file", str(gw2.token_file)),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert '"tiny"' in r.stdout and '"min": 2' in r.stdout
-            r = subprocess.run(llmgw_cmd("ctl", "model", "remove", "tiny", "--server", gw2.admin, "--token-file", str(gw2.token_file)),
-                               capture_output=True, text=True, timeout=60)
+            r = subprocess.run(
+                llmgw_cmd("ctl", "model", "remove", "tiny", "--server", gw2.admin, "--token-file", str(gw2.token_file)),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert r.returncode == 0 and "removed tiny" in r.stdout
         finally:
             assert gw2.stop() == 0, gw2.text()[-3000:]

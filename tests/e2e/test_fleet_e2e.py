@@ -16,10 +16,9 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_until
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a fleet of agents, placed, adopted and moved
 
 TAG = "b9999"
 
@@ -31,16 +30,31 @@ def _ctl(*args: str) -> None:
 
 def _agent(tmp_path, name: str, port: int, pki) -> Proc:
     cfg = tmp_path / f"agent-{name}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "server": f"127.0.0.1:{port}", "node_id": name,
-        "tls": {"ca": str(pki / "ca.pem"), "cert": str(pki / f"{name}.pem"), "key": str(pki / f"{name}-key.pem")},
-        "heartbeat_interval": "500ms", "reconnect_base": "300ms", "reconnect_max": "1s",
-        "weights_cache": str(tmp_path / name / "weights"), "engines_dir": str(tmp_path / name / "engines"),
-        "supervisor": {"work_dir": str(tmp_path / name / "state"), "health_interval": "250ms"},
-        "discovery": {"skip_gpus": True},
-    }))
-    return Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / f"agent-{name}.log",
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": f"127.0.0.1:{port}",
+                "node_id": name,
+                "tls": {
+                    "ca": str(pki / "ca.pem"),
+                    "cert": str(pki / f"{name}.pem"),
+                    "key": str(pki / f"{name}-key.pem"),
+                },
+                "heartbeat_interval": "500ms",
+                "reconnect_base": "300ms",
+                "reconnect_max": "1s",
+                "weights_cache": str(tmp_path / name / "weights"),
+                "engines_dir": str(tmp_path / name / "engines"),
+                "supervisor": {"work_dir": str(tmp_path / name / "state"), "health_interval": "250ms"},
+                "discovery": {"skip_gpus": True},
+            }
+        )
+    )
+    return Proc(
+        llmgw_cmd("agent", "--config", str(cfg)),
+        tmp_path / f"agent-{name}.log",
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 class Fleet:
@@ -74,7 +88,12 @@ class Fleet:
         return rs if len(rs) == n and len(self.replicas(model)) == n else []
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(llmgw_cmd(*args, "--server", self.gw.admin, "--token-file", str(self.gw.token_file)), capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            llmgw_cmd(*args, "--server", self.gw.admin, "--token-file", str(self.gw.token_file)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
 
 def _pids(replicas: list[dict]) -> dict[str, int]:
@@ -95,19 +114,34 @@ def test_two_agents_serve_adopt_scale_and_replace(llama_server_bin, tiny_model, 
     _ctl("issue-server", "127.0.0.1", "localhost", "--dir", str(pki))
     for node in ("node-a", "node-b"):
         _ctl("issue-client", node, "--dir", str(pki))
-    base, stop_files = serve_files({**release_files(llama_server_bin, TAG), "/models/tiny.gguf": tiny_model.read_bytes()})
+    base, stop_files = serve_files(
+        {**release_files(llama_server_bin, TAG), "/models/tiny.gguf": tiny_model.read_bytes()}
+    )
     agent_port = free_port()
     source = base + "/models/tiny.gguf"
-    tiny = {"name": "tiny", "source": source, "scaling": {"min": 2},
-            "profiles": [{"engine": "llamacpp", "args": ["--ctx-size", "256"], "startup_timeout": "120s"}]}
-    gw = Gateway(tmp_path, models=[tiny], agent_listen=f"127.0.0.1:{agent_port}",
-                 agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
-                 # unreachable_after is also the settle window before the first placement: long
-                 # enough for both agents (started with the server, and retrying until it listens)
-                 # to register on a loaded machine, or both replicas would go to the first one.
-                 control={"enabled": True, "unreachable_after": "5s", "lost_after": "8s", "interval": "500ms",
-                          "base_backoff": "1s"},
-                 engines={"llamacpp": TAG, "release_url": base})
+    tiny = {
+        "name": "tiny",
+        "source": source,
+        "scaling": {"min": 2},
+        "profiles": [{"engine": "llamacpp", "args": ["--ctx-size", "256"], "startup_timeout": "120s"}],
+    }
+    gw = Gateway(
+        tmp_path,
+        models=[tiny],
+        agent_listen=f"127.0.0.1:{agent_port}",
+        agent_tls={"ca": str(pki / "ca.pem"), "cert": str(pki / "server.pem"), "key": str(pki / "server-key.pem")},
+        # unreachable_after is also the settle window before the first placement: long
+        # enough for both agents (started with the server, and retrying until it listens)
+        # to register on a loaded machine, or both replicas would go to the first one.
+        control={
+            "enabled": True,
+            "unreachable_after": "5s",
+            "lost_after": "8s",
+            "interval": "500ms",
+            "base_backoff": "1s",
+        },
+        engines={"llamacpp": TAG, "release_url": base},
+    )
     agents = {n: _agent(tmp_path, n, agent_port, pki) for n in ("node-a", "node-b")}
     gw.wait_up(ready=False)
     fleet = Fleet(gw, [gw, *agents.values()])
@@ -125,21 +159,32 @@ def test_two_agents_serve_adopt_scale_and_replace(llama_server_bin, tiny_model, 
         key = gw.create_key()
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
         for _ in range(4):
-            reply = client.chat.completions.create(model="tiny", max_tokens=4,
-                                                   messages=[{"role": "user", "content": "hi"}])
+            reply = client.chat.completions.create(
+                model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
             assert reply.choices[0].message.content is not None
         listing = fleet.ctl("ctl", "replicas")
         assert listing.returncode == 0 and listing.stdout.count("ready") >= 2, listing.stdout + listing.stderr
 
         # An on-demand model added at run time is loaded by its first request, which waits for it.
         spec = tmp_path / "ondemand.yaml"
-        spec.write_text(yaml.safe_dump({"name": "tiny-od", "source": source, "scaling": {"min": 0},
-                                        "profiles": [{"engine": "llamacpp", "args": ["--ctx-size", "256"]}]}))
+        spec.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "tiny-od",
+                    "source": source,
+                    "scaling": {"min": 0},
+                    "profiles": [{"engine": "llamacpp", "args": ["--ctx-size", "256"]}],
+                }
+            )
+        )
         r = fleet.ctl("ctl", "model", "add", "-f", str(spec))
         assert r.returncode == 0, r.stderr
         assert fleet.replicas("tiny-od") == []
         t0 = time.monotonic()
-        reply = client.chat.completions.create(model="tiny-od", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        reply = client.chat.completions.create(
+            model="tiny-od", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
         assert reply.choices[0].message.content is not None and time.monotonic() - t0 < 120
         od = fleet.ready("tiny-od", 1)
         assert od, fleet.replicas("tiny-od")
@@ -166,8 +211,11 @@ def test_two_agents_serve_adopt_scale_and_replace(llama_server_bin, tiny_model, 
         gw.proc.wait(10)
         restarted = Proc(llmgw_cmd("server", "--config", str(gw.config)), tmp_path / "gateway-restarted.log")
         fleet.procs.append(restarted)
-        fleet.wait(lambda: {r["id"] for r in fleet.replicas() if r["state"] == "ready"} == set(before), 60,
-                   "the replicas to be adopted")
+        fleet.wait(
+            lambda: {r["id"] for r in fleet.replicas() if r["state"] == "ready"} == set(before),
+            60,
+            "the replicas to be adopted",
+        )
         after = fleet.replicas()
         assert _pids(after) == pids_before
         assert all(r["adopted"] for r in after)
@@ -182,10 +230,14 @@ def test_two_agents_serve_adopt_scale_and_replace(llama_server_bin, tiny_model, 
         agents["node-b"].proc.wait(10)
         fleet.wait(lambda: fleet.nodes().get("node-b", {}).get("state") == "unreachable", 15, "node-b unreachable")
         fleet.wait(lambda: fleet.nodes().get("node-b", {}).get("state") == "lost", 15, "node-b lost")
-        moved = fleet.wait(lambda: [r for r in fleet.ready("tiny", 2)
-                                    if all(s["node"] == "node-a" for s in r["shards"])] and
-                           all(s["node"] == "node-a" for r in fleet.ready("tiny", 2) for s in r["shards"]),
-                           90, "tiny placed again on node-a")
+        moved = fleet.wait(
+            lambda: (
+                [r for r in fleet.ready("tiny", 2) if all(s["node"] == "node-a" for s in r["shards"])]
+                and all(s["node"] == "node-a" for r in fleet.ready("tiny", 2) for s in r["shards"])
+            ),
+            90,
+            "tiny placed again on node-a",
+        )
         assert moved
         engine_pids |= set(_pids(fleet.replicas()).values())
         reply = client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])

@@ -23,8 +23,8 @@ import httpx
 import openai
 import pytest
 import yaml
-
 from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_http, wait_until
+
 from llmgw.mirror.api import ApiAccess, api_app, default_token_file, ensure_token
 from llmgw.mirror.fetcher import Manager
 
@@ -56,7 +56,7 @@ class HuggingFace:
                 self.end_headers()
                 self.wfile.write(raw)
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 hf.requests.append((self.path, self.headers.get("Range"), self.headers.get("Authorization")))
                 parts = self.path.split("?")[0].strip("/").split("/")
                 if parts[:2] == ["api", "models"] and len(parts) >= 4:
@@ -66,11 +66,21 @@ class HuggingFace:
                     if repo in hf.gated and not self.headers.get("Authorization"):
                         return self._json(401, {"error": "Access to this repository is restricted"})
                     if len(parts) == 4:
-                        return self._json(200, {"id": repo, "sha": COMMIT, "gated": "manual" if repo in hf.gated else False})
-                    return self._json(200, [
-                        {"type": "file", "path": name, "size": len(data),
-                         "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}}
-                        for name, data in hf.files[repo].items()])
+                        return self._json(
+                            200, {"id": repo, "sha": COMMIT, "gated": "manual" if repo in hf.gated else False}
+                        )
+                    return self._json(
+                        200,
+                        [
+                            {
+                                "type": "file",
+                                "path": name,
+                                "size": len(data),
+                                "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)},
+                            }
+                            for name, data in hf.files[repo].items()
+                        ],
+                    )
                 if len(parts) >= 5 and parts[2] == "resolve":
                     # As huggingface.co does: a redirect to the CDN holding LFS files.
                     self.send_response(302)
@@ -90,7 +100,7 @@ class HuggingFace:
                         self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
                         self.send_header("Content-Length", str(end - start + 1))
                         self.end_headers()
-                        self.wfile.write(data[start:end + 1])
+                        self.wfile.write(data[start : end + 1])
                         return
                     self.send_response(200)
                     self.send_header("Content-Length", str(len(data)))
@@ -127,13 +137,17 @@ def _raw_get(port: int, path: str) -> tuple[int, bytes]:
     return resp.status, body
 
 
+@pytest.mark.slow  # minutes on two cores
 def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_model, tmp_path):
     model_bytes = tiny_model.read_bytes()
-    hf = HuggingFace({
-        "acme/tiny-GGUF": {"tiny.gguf": model_bytes},
-        "acme/gated-GGUF": {"g.gguf": b"GGUF" + b"\0" * 100},
-        "acme/split-GGUF": {"s-00001-of-00002.gguf": b"x" * 1000, "s-00002-of-00002.gguf": b"y" * 1000},
-    }, gated={"acme/gated-GGUF"})
+    hf = HuggingFace(
+        {
+            "acme/tiny-GGUF": {"tiny.gguf": model_bytes},
+            "acme/gated-GGUF": {"g.gguf": b"GGUF" + b"\0" * 100},
+            "acme/split-GGUF": {"s-00001-of-00002.gguf": b"x" * 1000, "s-00002-of-00002.gguf": b"y" * 1000},
+        },
+        gated={"acme/gated-GGUF"},
+    )
     releases, stop_releases = serve_files(release_files(llama_server_bin, TAG))
     mirror_dir = tmp_path / "mirror"
     mirror_dir.mkdir()
@@ -147,24 +161,61 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
     # The llama.cpp release archive goes into the mirror first, with its checksum kept.
     asset = f"llama-{TAG}-bin-ubuntu-x64.tar.gz"
     # The release server is on loopback: the operator's own, so allowed by name.
-    r = subprocess.run(llmgw_cmd("mirror", "--dir", str(mirror_dir), "add", f"{releases}/{TAG}/{asset}",
-                                 "--model", "llama.cpp", "--version", TAG, "--base", base, "--allow-local-sources"),
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        llmgw_cmd(
+            "mirror",
+            "--dir",
+            str(mirror_dir),
+            "add",
+            f"{releases}/{TAG}/{asset}",
+            "--model",
+            "llama.cpp",
+            "--version",
+            TAG,
+            "--base",
+            base,
+            "--allow-local-sources",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "sha256 " in r.stdout and f"source: {base}/llama.cpp/{TAG}/{asset}" in r.stdout
 
     # Made beforehand, as `llmgw mirror init` does, so the control plane can read it at its start.
     token_file = default_token_file(mirror_dir)
     ensure_token(token_file)
-    mirror = Proc(llmgw_cmd("mirror", "--dir", str(mirror_dir), "serve", "--listen", f"127.0.0.1:{wport}",
-                            "--api-listen", f"0.0.0.0:{aport}", "--base", base, "--api-allow", "10.255.255.1"),
-                  tmp_path / "mirror.log", env=env)
+    mirror = Proc(
+        llmgw_cmd(
+            "mirror",
+            "--dir",
+            str(mirror_dir),
+            "serve",
+            "--listen",
+            f"127.0.0.1:{wport}",
+            "--api-listen",
+            f"0.0.0.0:{aport}",
+            "--base",
+            base,
+            "--api-allow",
+            "10.255.255.1",
+        ),
+        tmp_path / "mirror.log",
+        env=env,
+    )
     procs.append(mirror)
     agent_port = free_port()
-    gw = Gateway(tmp_path, models=[], agent_listen=f"127.0.0.1:{agent_port}", agent_tls=None,
-                 control={"enabled": True, "interval": "500ms", "base_backoff": "1s"},
-                 engines={"llamacpp": TAG, "release_url": f"{base}/llama.cpp"},
-                 mirror={"api": f"http://127.0.0.1:{aport}", "token_file": str(token_file)})
+    gw = Gateway(
+        tmp_path,
+        models=[],
+        agent_listen=f"127.0.0.1:{agent_port}",
+        agent_tls=None,
+        control={"enabled": True, "interval": "500ms", "base_backoff": "1s"},
+        engines={"llamacpp": TAG, "release_url": f"{base}/llama.cpp"},
+        mirror={"api": f"http://127.0.0.1:{aport}", "token_file": str(token_file)},
+    )
     procs.append(gw)
     agent = None
     engine_pids: list[int] = []
@@ -174,8 +225,12 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         gw.wait_up(ready=False)
 
         def ctl(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run(llmgw_cmd("ctl", *args, "--server", gw.admin, "--token-file", str(gw.token_file)), capture_output=True, text=True,
-                                  timeout=120)
+            return subprocess.run(
+                llmgw_cmd("ctl", *args, "--server", gw.admin, "--token-file", str(gw.token_file)),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
 
         # A gated repository without a token: refused with what to do, nothing kept.
         r = ctl("mirror", "fetch", "hf:acme/gated-GGUF/g.gguf", "--model", "gated", "--version", "v1")
@@ -191,28 +246,52 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         assert r.returncode == 0 and "is present" in r.stdout, r.stdout + r.stderr
         resumed = [rng for path, rng, _ in hf.requests if path.startswith("/cdn/acme/tiny-GGUF/") and rng]
         assert any(rng.startswith("bytes=") and not rng.startswith("bytes=0-") for rng in resumed), hf.requests
-        assert hashlib.sha256((mirror_dir / "tiny" / "v1" / "tiny.gguf").read_bytes()).hexdigest() == \
-            hashlib.sha256(model_bytes).hexdigest()
+        assert (
+            hashlib.sha256((mirror_dir / "tiny" / "v1" / "tiny.gguf").read_bytes()).hexdigest()
+            == hashlib.sha256(model_bytes).hexdigest()
+        )
         st = json.loads(ctl("mirror", "status", "tiny", "v1", "--json").stdout)
         assert st["state"] == "present" and st["files"][0]["sha256"] == hashlib.sha256(model_bytes).hexdigest()
 
         # A shard set arrives as one version; its manifest lists both files.
-        r = ctl("mirror", "fetch", "hf:acme/split-GGUF/s-00001-of-00002.gguf", "--model", "split", "--version", "v1",
-                "--wait")
+        r = ctl(
+            "mirror",
+            "fetch",
+            "hf:acme/split-GGUF/s-00001-of-00002.gguf",
+            "--model",
+            "split",
+            "--version",
+            "v1",
+            "--wait",
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         manifest = httpx.get(f"{base}/split/v1/").json()
         assert [f["name"] for f in manifest["files"]] == ["s-00001-of-00002.gguf", "s-00002-of-00002.gguf"]
 
         # Nothing outside the root is ever served.
-        for path in ("/../outside.txt", "/tiny/../../outside.txt", "/%2e%2e/outside.txt", "/tiny/v1/..%2f..%2f..%2foutside.txt",
-                     "/%252e%252e/outside.txt", "/escape.txt", "/tiny/v1/.tiny.gguf.part", "/..\\outside.txt"):
+        for path in (
+            "/../outside.txt",
+            "/tiny/../../outside.txt",
+            "/%2e%2e/outside.txt",
+            "/tiny/v1/..%2f..%2f..%2foutside.txt",
+            "/%252e%252e/outside.txt",
+            "/escape.txt",
+            "/tiny/v1/.tiny.gguf.part",
+            "/..\\outside.txt",
+        ):
             status, body = _raw_get(wport, path)
             assert status == 404 and b"secret" not in body, (path, status, body[:200])
         assert httpx.post(f"{base}/tiny/v1/tiny.gguf").status_code == 405
 
         # The management API answers only this machine and the control plane's address.
-        outside = next((a for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
-                        if "." in a and not a.startswith("127.")), None)
+        outside = next(
+            (
+                a
+                for a in subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+                if "." in a and not a.startswith("127.")
+            ),
+            None,
+        )
         if outside is not None:
             r = httpx.get(f"http://{outside}:{aport}/v1/models")
             assert r.status_code == 403 and "managed by its control plane only" in r.text
@@ -220,25 +299,57 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         # One step from the mirrored version to a served model.
         r = ctl("mirror", "serve", "tiny", "v1", "--min", "1")
         assert r.returncode == 0 and f"from {base}/tiny/v1/tiny.gguf" in r.stdout, r.stdout + r.stderr
-        mirror_bin = llmgw_cmd("mirror", "--dir", str(mirror_dir), "remove", "--model", "tiny", "--version", "v1",
-                               "--file", "tiny.gguf", "--server", gw.admin.removeprefix("http://"), "--base", base,
-                               "--token-file", str(gw.token_file))
+        mirror_bin = llmgw_cmd(
+            "mirror",
+            "--dir",
+            str(mirror_dir),
+            "remove",
+            "--model",
+            "tiny",
+            "--version",
+            "v1",
+            "--file",
+            "tiny.gguf",
+            "--server",
+            gw.admin.removeprefix("http://"),
+            "--base",
+            base,
+            "--token-file",
+            str(gw.token_file),
+        )
         r = subprocess.run(mirror_bin, capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "a model still refers to tiny/v1/tiny.gguf" in r.stderr, r.stdout + r.stderr
         assert (mirror_dir / "tiny" / "v1" / "tiny.gguf").exists()
 
         cfg = tmp_path / "agent.yaml"
-        cfg.write_text(yaml.safe_dump({
-            "server": f"127.0.0.1:{agent_port}", "tls": None, "node_id": "node-a",
-            "heartbeat_interval": "500ms", "reconnect_base": "300ms", "reconnect_max": "1s",
-            "weights_cache": str(tmp_path / "weights"), "engines_dir": str(tmp_path / "engines"),
-            "supervisor": {"work_dir": str(tmp_path / "state"), "health_interval": "250ms"},
-            "discovery": {"skip_gpus": True},
-        }))
+        cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "server": f"127.0.0.1:{agent_port}",
+                    "tls": None,
+                    "node_id": "node-a",
+                    "heartbeat_interval": "500ms",
+                    "reconnect_base": "300ms",
+                    "reconnect_max": "1s",
+                    "weights_cache": str(tmp_path / "weights"),
+                    "engines_dir": str(tmp_path / "engines"),
+                    "supervisor": {"work_dir": str(tmp_path / "state"), "health_interval": "250ms"},
+                    "discovery": {"skip_gpus": True},
+                }
+            )
+        )
         agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent.log", env=env)
         procs.append(agent)
-        rows = wait_until(lambda: [r for r in httpx.get(gw.admin + "/api/v1/replicas", headers=gw.admin_auth).json()["replicas"]
-                              if r["state"] == "ready"], 120, "the replica from the mirror to be ready", procs)
+        rows = wait_until(
+            lambda: [
+                r
+                for r in httpx.get(gw.admin + "/api/v1/replicas", headers=gw.admin_auth).json()["replicas"]
+                if r["state"] == "ready"
+            ],
+            120,
+            "the replica from the mirror to be ready",
+            procs,
+        )
         engine_pids = [s["pid"] for r in rows for s in r["shards"] if s.get("pid")]
         # The engine and the weights both came from the mirror.
         assert any(p.name == "llama-server" for p in (tmp_path / "engines").rglob("llama-server"))
@@ -261,8 +372,7 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         hf.close()
 
 
-def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_plane_drives_it_with_its_copy(
-        tmp_path):
+def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_plane_drives_it_with_its_copy(tmp_path):
     small = os.urandom(50_000)
     hf = HuggingFace({"acme/small": {"small.bin": small}}, gated=set())
     page = HuggingFace({}, gated=set())  # another server on loopback: a page only this machine should see
@@ -272,8 +382,22 @@ def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_
     base, api = f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{aport}"
     # HF_ENDPOINT on loopback is the operator's own setting: the one local source fetched without the flag.
     env = {**os.environ, "HF_ENDPOINT": hf.url, "PYTHONUNBUFFERED": "1"}
-    mirror = Proc(llmgw_cmd("mirror", "--dir", str(mirror_dir), "serve", "--listen", f"127.0.0.1:{wport}",
-                            "--api-listen", f"127.0.0.1:{aport}", "--base", base), tmp_path / "mirror.log", env=env)
+    mirror = Proc(
+        llmgw_cmd(
+            "mirror",
+            "--dir",
+            str(mirror_dir),
+            "serve",
+            "--listen",
+            f"127.0.0.1:{wport}",
+            "--api-listen",
+            f"127.0.0.1:{aport}",
+            "--base",
+            base,
+        ),
+        tmp_path / "mirror.log",
+        env=env,
+    )
     procs: list[Proc] = [mirror]
     try:
         wait_http(f"{api}/v1/health", mirror.proc, 30, mirror.log)
@@ -290,8 +414,11 @@ def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_
         routes = [(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"]
         assert ("POST", "/v1/models") in routes and ("DELETE", "/v1/models/{model}/{version}") in routes
         for method, path in routes:
-            r = httpx.request(method, api + path.replace("{model}", "m").replace("{version}", "v"),
-                              json={} if method == "POST" else None)
+            r = httpx.request(
+                method,
+                api + path.replace("{model}", "m").replace("{version}", "v"),
+                json={} if method == "POST" else None,
+            )
             if path == "/v1/health":
                 assert r.status_code == 200  # the probe
                 continue
@@ -300,8 +427,11 @@ def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_
         # A web page's cross-origin text/plain POST (no CORS preflight) is refused even with the token,
         # and nothing is fetched.
         body = json.dumps({"source": "hf:acme/small/small.bin", "model": "small", "version": "v1"})
-        r = httpx.post(f"{api}/v1/models", content=body,
-                       headers={**auth, "Origin": "http://evil.example", "Content-Type": "text/plain"})
+        r = httpx.post(
+            f"{api}/v1/models",
+            content=body,
+            headers={**auth, "Origin": "http://evil.example", "Content-Type": "text/plain"},
+        )
         assert r.status_code == 403 and "web pages" in r.json()["error"]["message"]
         r = httpx.post(f"{api}/v1/models", content=body, headers={**auth, "Content-Type": "text/plain"})
         assert r.status_code == 415
@@ -318,16 +448,18 @@ def test_the_mirror_api_answers_only_its_token_never_a_web_page_and_the_control_
         gw = Gateway(tmp_path / "cp", models=[], mirror={"api": api, "token_file": str(copy)})
         procs.append(gw)
         gw.wait_up(ready=False)
-        r = gw.ctl("mirror", "fetch", "hf:acme/small/small.bin", "--model", "small", "--version", "v1", "--wait",
-                   timeout=120)
+        r = gw.ctl(
+            "mirror", "fetch", "hf:acme/small/small.bin", "--model", "small", "--version", "v1", "--wait", timeout=120
+        )
         assert r.returncode == 0 and "is present" in r.stdout, r.stdout + r.stderr
         assert (mirror_dir / "small" / "v1" / "small.bin").read_bytes() == small
         assert httpx.get(f"{base}/small/v1/small.bin").content == small
 
         # A page on this machine's loopback is not fetched (and so not republished on the byte port).
         r = gw.ctl("mirror", "fetch", f"{page.url}/internal.bin", "--model", "internal", "--version", "v1", timeout=60)
-        assert r.returncode == 1 and "is a loopback address" in r.stderr and "--allow-local-sources" in r.stderr, \
+        assert r.returncode == 1 and "is a loopback address" in r.stderr and "--allow-local-sources" in r.stderr, (
             r.stdout + r.stderr
+        )
         assert page.requests == [] and not (mirror_dir / "internal").exists()
     finally:
         for p in reversed(procs):

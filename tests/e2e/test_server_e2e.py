@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
-
 from harness import REPO, Gateway, Proc, llmgw_cmd, wait_http
+
+from llmgw.testing.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,9 @@ def test_shipped_example_starts(tmp_path):
         # The admin listener wants the admin token the first start made beside the store.
         wait_http("http://127.0.0.1:9090/metrics", p.proc, 5, p.log, status=401)
         token = (tmp_path / "admin-token").read_text().strip()
-        assert httpx.get("http://127.0.0.1:9090/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        assert (
+            httpx.get("http://127.0.0.1:9090/metrics", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        )
         wait_http("http://127.0.0.1:9091/metrics", p.proc, 5, p.log)
         # No engine runs at the example's addresses, so it is up but not ready.
         assert httpx.get("http://127.0.0.1:8080/ready").status_code == 503
@@ -57,8 +59,11 @@ def test_postgresql_store_keys_usage_and_revocation(engines, tmp_path, pg_addres
     (engine,) = engines("tiny")
     dsn_file = tmp_path / "store-dsn"
     dsn_file.write_text(pg_address + "\n")
-    gw = Gateway(tmp_path, models=[{"name": "tiny", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
-                 store=f"@{dsn_file}").wait_up()
+    gw = Gateway(
+        tmp_path,
+        models=[{"name": "tiny", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
+        store=f"@{dsn_file}",
+    ).wait_up()
     try:
         key = gw.create_key("pg")
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
@@ -76,12 +81,17 @@ def test_postgresql_store_keys_usage_and_revocation(engines, tmp_path, pg_addres
             finally:
                 await s.close()
 
-        deadline = time.monotonic() + 5
-        while len(asyncio.run(rows())) < 3:
-            assert time.monotonic() < deadline, "usage rows did not reach PostgreSQL"
-            time.sleep(0.1)
+        until(lambda: len(asyncio.run(rows())) >= 3, 10, "usage rows to reach PostgreSQL", [gw], interval=0.1)
         assert gw.keys("revoke", key[:14]).returncode == 0
-        time.sleep(2.0)
+
+        def refused() -> bool:
+            try:
+                client.models.list()
+            except openai.AuthenticationError:
+                return True
+            return False
+
+        until(refused, 10, "the revoked key to be refused", [gw])
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
     finally:
@@ -90,8 +100,11 @@ def test_postgresql_store_keys_usage_and_revocation(engines, tmp_path, pg_addres
 
 def test_sigterm_drains_and_writes_usage(engines, tmp_path):
     (engine,) = engines("tiny")
-    gw = Gateway(tmp_path, models=[{"name": "tiny", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
-                 usage={"flush_interval": "1h"}).wait_up()
+    gw = Gateway(
+        tmp_path,
+        models=[{"name": "tiny", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
+        usage={"flush_interval": "1h"},
+    ).wait_up()
     key = gw.create_key()
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)

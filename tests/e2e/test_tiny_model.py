@@ -12,13 +12,13 @@ import os
 import re
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from llmgw.agent.provision.llamacpp_source import find_llama_server
+from llmgw.testing.waiting import until
 
 pytestmark = pytest.mark.e2e
 
@@ -39,32 +39,44 @@ def llama_server(tmp_path_factory):
     binary = find_llama_server(os.environ.get("LLMGW_LLAMA_SERVER"))
     if binary is None:
         pytest.skip("llama-server is not built: run scripts/build-llama-server (or set LLMGW_LLAMA_SERVER)")
-    from llmgw.testing.tiny_model import tiny_model_path
+    from llmgw.up.tiny_model import tiny_model_path
 
     model = tiny_model_path()
     port = _free_port()
     log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
     cmd = [
-        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--alias", ALIAS, "--jinja", "--metrics", "--embeddings", "--pooling", "mean",
-        "--threads", "2", "--parallel", "2",
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--alias",
+        ALIAS,
+        "--jinja",
+        "--metrics",
+        "--embeddings",
+        "--pooling",
+        "mean",
+        "--threads",
+        "2",
+        "--parallel",
+        "2",
     ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"llama-server not healthy after 60 s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
+        until(
+            lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
+            60,
+            "llama-server to be healthy",
+            detail=lambda: f"exit status {proc.poll()}\n{log_path.read_text()[-3000:]}",
+            alive=[proc],
+            ignore=(httpx.HTTPError,),
+            interval=0.1,
+        )
         yield url
     finally:
         proc.terminate()
@@ -81,10 +93,8 @@ def client(llama_server):
         yield c
 
 
-def test_chat_completion(client):
-    r = client.chat.completions.create(
-        model=ALIAS, messages=[{"role": "user", "content": "Say hello"}], max_tokens=8
-    )
+def test_the_tiny_model_answers_a_chat_completion_to_max_tokens_with_usage(client):
+    r = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "Say hello"}], max_tokens=8)
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant"
     assert isinstance(r.choices[0].message.content, str)
@@ -113,8 +123,11 @@ def test_chat_completion_content_parts_and_system(client):
 
 def test_chat_completion_stream_with_usage(client):
     stream = client.chat.completions.create(
-        model=ALIAS, messages=[{"role": "user", "content": "Count"}], max_tokens=6,
-        stream=True, stream_options={"include_usage": True},
+        model=ALIAS,
+        messages=[{"role": "user", "content": "Count"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
@@ -128,14 +141,14 @@ def test_chat_completion_stream_with_usage(client):
     assert text
 
 
-def test_completion(client):
+def test_the_tiny_model_answers_a_text_completion_with_the_tokens_asked_for(client):
     r = client.completions.create(model=ALIAS, prompt="Once upon a time", max_tokens=5)
     assert r.object == "text_completion"
     assert r.usage.completion_tokens == 5
     assert isinstance(r.choices[0].text, str)
 
 
-def test_embeddings(client):
+def test_the_tiny_model_embeds_each_input_in_64_distinct_dimensions(client):
     r = client.embeddings.create(model=ALIAS, input=["hello", "hello world"])
     assert [d.index for d in r.data] == [0, 1]
     assert all(len(d.embedding) == 64 for d in r.data)
@@ -143,7 +156,7 @@ def test_embeddings(client):
     assert r.usage.prompt_tokens > 0
 
 
-def test_models(client):
+def test_the_tiny_model_server_lists_only_its_alias(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [ALIAS]
 
@@ -161,8 +174,12 @@ def test_metrics_match_fixture(client, llama_server):
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     live = r.text
-    for name in ("llamacpp:requests_processing", "llamacpp:requests_deferred",
-                 "llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"):
+    for name in (
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total",
+    ):
         assert name in _names(live)
     if os.environ.get("LLMGW_UPDATE_FIXTURES"):
         FIXTURE.parent.mkdir(parents=True, exist_ok=True)

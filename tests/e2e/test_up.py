@@ -16,17 +16,17 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
-
 from harness import free_port, llmgw_cmd, require
-from llmgw import up
+
 from llmgw.agent.provision.llamacpp_source import binary_works, cached_binary_path
+from llmgw.testing.waiting import until
+from llmgw.up.model import STARTER_FILE, STARTER_NAME, STARTER_REPO, STARTER_SOURCE, STARTER_VERSION
 
 pytestmark = pytest.mark.e2e
 
@@ -74,24 +74,36 @@ class HuggingFace:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 hf.requests.append((self.path, self.headers.get("Range")))
                 path = self.path.split("?")[0]
-                repo = f"/api/models/{up.STARTER_REPO}"
+                repo = f"/api/models/{STARTER_REPO}"
                 if path == repo:
-                    return self._send(200, json.dumps({"id": up.STARTER_REPO, "sha": "c0ffee" * 6 + "c0ff",
-                                                       "gated": False}).encode())
+                    return self._send(
+                        200, json.dumps({"id": STARTER_REPO, "sha": "c0ffee" * 6 + "c0ff", "gated": False}).encode()
+                    )
                 if path.startswith(repo + "/tree/"):
-                    return self._send(200, json.dumps([{
-                        "type": "file", "path": up.STARTER_FILE, "size": len(hf.data),
-                        "lfs": {"oid": hashlib.sha256(hf.data).hexdigest(), "size": len(hf.data)}}]).encode())
-                if path.startswith(f"/{up.STARTER_REPO}/resolve/") and path.endswith("/" + up.STARTER_FILE):
+                    return self._send(
+                        200,
+                        json.dumps(
+                            [
+                                {
+                                    "type": "file",
+                                    "path": STARTER_FILE,
+                                    "size": len(hf.data),
+                                    "lfs": {"oid": hashlib.sha256(hf.data).hexdigest(), "size": len(hf.data)},
+                                }
+                            ]
+                        ).encode(),
+                    )
+                if path.startswith(f"/{STARTER_REPO}/resolve/") and path.endswith("/" + STARTER_FILE):
                     rng, data = self.headers.get("Range"), hf.data
                     if rng:
                         start, _, end = rng.split("=", 1)[1].partition("-")
                         start, end = int(start), min(int(end) if end else len(data) - 1, len(data) - 1)
-                        return self._send(206, data[start:end + 1],
-                                          {"Content-Range": f"bytes {start}-{end}/{len(data)}"})
+                        return self._send(
+                            206, data[start : end + 1], {"Content-Range": f"bytes {start}-{end}/{len(data)}"}
+                        )
                     if hf.cut:
                         hf.cut = False
                         self.send_response(200)
@@ -127,20 +139,31 @@ class Up:
         self.port, self.admin = free_port(), free_port()
         self.out, self.err = tmp_path / f"{run}.out", tmp_path / f"{run}.err"
         # Without a stand-in nothing listens at HF_ENDPOINT: the starter fetch fails at once, as it does offline.
-        env = {**os.environ, "HF_ENDPOINT": hf or f"http://127.0.0.1:{free_port()}",
-               "XDG_DATA_HOME": str(tmp_path / "xdg"), "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": hf or f"http://127.0.0.1:{free_port()}",
+            "XDG_DATA_HOME": str(tmp_path / "xdg"),
+            "PYTHONUNBUFFERED": "1",
+        }
         self.env = env
         with open(self.out, "w") as o, open(self.err, "w") as e:
-            self.proc = subprocess.Popen(llmgw_cmd("up", "--port", str(self.port), "--admin-port", str(self.admin),
-                                                   "--ctx-size", "2048", *args),
-                                         stdout=o, stderr=e, stdin=subprocess.DEVNULL, env=env)
+            self.proc = subprocess.Popen(
+                llmgw_cmd("up", "--port", str(self.port), "--admin-port", str(self.admin), "--ctx-size", "2048", *args),
+                stdout=o,
+                stderr=e,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
 
     def wait_up(self, timeout: float = 180) -> str:
-        deadline = time.monotonic() + timeout
-        while "Press Ctrl-C" not in self.out.read_text():
-            assert self.proc.poll() is None, f"llmgw up exited {self.proc.returncode}:\n{self.err.read_text()}"
-            assert time.monotonic() < deadline, f"llmgw up did not come up:\n{self.err.read_text()}"
-            time.sleep(0.2)
+        until(
+            lambda: "Press Ctrl-C" in self.out.read_text(),
+            timeout,
+            "llmgw up to come up",
+            detail=lambda: f"exit status {self.proc.poll()}\n{self.err.read_text()}",
+            alive=[self.proc],
+            interval=0.2,
+        )
         return self.out.read_text()
 
     def interrupt(self) -> int:
@@ -159,8 +182,7 @@ def _serves(text: str, port: int, model: str = "tiny-test") -> None:
     assert f'-H "Authorization: Bearer {key}"' in text and 'OpenAI(base_url="' in text
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
     assert [m.id for m in client.models.list().data] == [model]
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert reply.usage.completion_tokens == 4
 
 
@@ -178,14 +200,20 @@ def _catalog(data: Path) -> tuple[str, str]:
     return cfg["models"][0]["source"], base
 
 
-def _ctl_mirror_list(up: "Up") -> list[dict]:
+def _ctl_mirror_list(up: Up) -> list[dict]:
     # No --token-file: ctl finds the token up made in its default data directory by itself.
-    r = subprocess.run(llmgw_cmd("ctl", "mirror", "list", "--json", "--server", f"http://127.0.0.1:{up.admin}"),
-                       capture_output=True, text=True, timeout=60, env=up.env)
+    r = subprocess.run(
+        llmgw_cmd("ctl", "mirror", "list", "--json", "--server", f"http://127.0.0.1:{up.admin}"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=up.env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)["models"]
 
 
+@pytest.mark.slow  # minutes on two cores
 def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_server_bin, tiny_model, tmp_path):
     data = tmp_path / "xdg" / "llmgw" / "up"
     if not binary_works(cached_binary_path()):
@@ -197,7 +225,7 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
     try:
         text = first.wait_up()
         err = first.err.read_text()
-        assert f"the mirror could not fetch {up.STARTER_SOURCE}" in err and "replies are noise" in err
+        assert f"the mirror could not fetch {STARTER_SOURCE}" in err and "replies are noise" in err
         assert "made the certificate authority, control plane certificate, agent certificate (local)" in err
         assert "llama.cpp is ready: llama-server" in err and "built from the llama.cpp source" in err
         _serves(text, first.port)
@@ -208,17 +236,25 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
         assert any(p.stat().st_size == tiny.stat().st_size for p in (data / "weights").rglob("*") if p.is_file())
         # `llmgw ctl mirror …` works against up's control plane.
         (held,) = _ctl_mirror_list(first)
-        assert (held["model"], held["version"], held["state"], held["used_by"]) == ("tiny-test", "v1", "present",
-                                                                                    ["tiny-test"])
+        assert (held["model"], held["version"], held["state"], held["used_by"]) == (
+            "tiny-test",
+            "v1",
+            "present",
+            ["tiny-test"],
+        )
         agents = _pids_with(str(data / "agent.yaml"))
         engines = _pids_with(str(data / "engines" / "llamacpp"))
         mirrors = _mirror_pids(data)
         assert len(agents) == 1 and len(engines) == 1 and len(mirrors) == 1, (agents, engines, mirrors)
         # The engine listens on loopback only: nothing but the gateway, with its keys, reaches it.
-        assert "--host 127.0.0.1" in Path(f"/proc/{next(iter(engines))}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert (
+            "--host 127.0.0.1"
+            in Path(f"/proc/{next(iter(engines))}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        )
         # A key made with the printed command works on the running gateway.
-        r = subprocess.run(llmgw_cmd("keys", "list", "--config", str(data / "server.yaml")),
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            llmgw_cmd("keys", "list", "--config", str(data / "server.yaml")), capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0 and "llmgw up" in r.stdout
     finally:
         rc = first.interrupt()
@@ -240,7 +276,7 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
             _serves(second.wait_up(), second.port)
             err = second.err.read_text()
             assert f"certificates in {data / 'pki'}: reused" in err
-            assert f"the mirror could not fetch {up.STARTER_SOURCE}" in err and "replies are noise" in err
+            assert f"the mirror could not fetch {STARTER_SOURCE}" in err and "replies are noise" in err
             assert "the agent installs" in err and "llama.cpp is ready: llama-server" in err
             assert hf.downloads() == [None]
         finally:
@@ -250,14 +286,14 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
         # Run 3: the mirror resumes the download and the starter model is served from it.
         third = Up(tmp_path, "third", "--llama-server", str(llama_server_bin), hf=hf.url)
         try:
-            _serves(third.wait_up(), third.port, up.STARTER_NAME)
+            _serves(third.wait_up(), third.port, STARTER_NAME)
             err = third.err.read_text()
             assert "replies are noise" not in err
             assert hf.downloads() == [None, f"bytes={len(hf.data) // 2}-"], hf.requests  # resumed, not restarted
             source, base = _catalog(data)
-            starter = data / "mirror" / up.STARTER_NAME / up.STARTER_VERSION / up.STARTER_FILE
-            assert source == f"{base}/{up.STARTER_NAME}/{up.STARTER_VERSION}/{up.STARTER_FILE}"
-            assert starter.read_bytes() == hf.data and f"the mirror holds {up.STARTER_FILE}: {source}" in err
+            starter = data / "mirror" / STARTER_NAME / STARTER_VERSION / STARTER_FILE
+            assert source == f"{base}/{STARTER_NAME}/{STARTER_VERSION}/{STARTER_FILE}"
+            assert starter.read_bytes() == hf.data and f"the mirror holds {STARTER_FILE}: {source}" in err
             agents = _pids_with(str(data / "agent.yaml"))
             engines = _pids_with(str(data / "engines" / "llamacpp"))
             mirrors = _mirror_pids(data)
@@ -273,7 +309,7 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
         held = sorted(p for p in (data / "weights").iterdir() if "starter" in p.name)
         fourth = Up(tmp_path, "fourth", "--llama-server", str(llama_server_bin), hf=hf.url)
         try:
-            _serves(fourth.wait_up(), fourth.port, up.STARTER_NAME)
+            _serves(fourth.wait_up(), fourth.port, STARTER_NAME)
             assert hf.requests == []
             assert _catalog(data) == (source, base)
             assert sorted(p for p in (data / "weights").iterdir() if "starter" in p.name) == held and held
@@ -286,7 +322,22 @@ def test_up_runs_control_plane_mirror_agent_and_engine_and_stops_them_all(llama_
 
 
 def test_up_refuses_a_missing_model_file(tmp_path, llama_server_bin):
-    r = subprocess.run(llmgw_cmd("up", "--model", str(tmp_path / "nope.gguf"), "--llama-server", str(llama_server_bin),
-                                 "--port", str(free_port()), "--admin-port", str(free_port()), "--dir", str(tmp_path)),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        llmgw_cmd(
+            "up",
+            "--model",
+            str(tmp_path / "nope.gguf"),
+            "--llama-server",
+            str(llama_server_bin),
+            "--port",
+            str(free_port()),
+            "--admin-port",
+            str(free_port()),
+            "--dir",
+            str(tmp_path),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and "no such file" in r.stderr

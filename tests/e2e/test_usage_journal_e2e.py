@@ -15,7 +15,6 @@ import time
 import httpx
 import orjson
 import pytest
-
 from harness import Gateway, Proc, free_port, llmgw_cmd, wait_http, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +107,7 @@ def _key_id(address: str) -> str:
     async def only_key(s):
         (key,) = await s.list_keys()
         return key.id
+
     return _in_store(address, only_key)
 
 
@@ -119,8 +119,10 @@ def _cli(*args: str) -> str:
 
 def _chat(client: httpx.Client, n: int) -> None:
     for i in range(n):
-        r = client.post("/v1/chat/completions", json={
-            "model": "fake", "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 8})
+        r = client.post(
+            "/v1/chat/completions",
+            json={"model": "fake", "messages": [{"role": "user", "content": f"request {i}"}], "max_tokens": 8},
+        )
         assert r.status_code == 200, r.text
 
 
@@ -131,14 +133,22 @@ def engine(tmp_path):
     proc = Proc([sys.executable, "-m", "llmgw.testing.fake_engine", "--port", str(port)], tmp_path / "engine.log")
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc.proc, 30, proc.log)
-        yield proc, [{"name": "fake", "endpoints": [{"url": f"http://127.0.0.1:{port}", "engine": "llamacpp",
-                                                     "model": "fake-model"}]}]
+        yield (
+            proc,
+            [
+                {
+                    "name": "fake",
+                    "endpoints": [{"url": f"http://127.0.0.1:{port}", "engine": "llamacpp", "model": "fake-model"}],
+                }
+            ],
+        )
     finally:
         proc.kill()
 
 
 def test_rows_queued_while_the_store_is_unreachable_are_stored_exactly_once_after_a_restart(
-        tmp_path, pg_address, engine):
+    tmp_path, pg_address, engine
+):
     engine_proc, models = engine
     proxy = CuttableProxy(("127.0.0.1", 5432))
     proxy.start()
@@ -149,8 +159,7 @@ def test_rows_queued_while_the_store_is_unreachable_are_stored_exactly_once_afte
     try:
         # A key with a budget (spend is recorded where a budget binds), ample for now.
         key = _cli("keys", "create", "--name", "journal", "--store", pg_address).strip().splitlines()[-1]
-        _cli("keys", "limits", "--scope", "key", "--id", _key_id(pg_address), "--budget", "1000",
-             "--store", pg_address)
+        _cli("keys", "limits", "--scope", "key", "--id", _key_id(pg_address), "--budget", "1000", "--store", pg_address)
         gw = Gateway(tmp_path, models, store=through_proxy, auth=auth)
         procs.append(gw)
         gw.wait_up()
@@ -179,8 +188,18 @@ def test_rows_queued_while_the_store_is_unreachable_are_stored_exactly_once_afte
         per_request = spent // BEFORE
         assert per_request > 0
         budget = per_request * (BEFORE + DURING // 2) / 1_000_000
-        _cli("keys", "limits", "--scope", "key", "--id", _key_id(pg_address), "--budget", f"{budget:.6f}",
-             "--store", pg_address)
+        _cli(
+            "keys",
+            "limits",
+            "--scope",
+            "key",
+            "--id",
+            _key_id(pg_address),
+            "--budget",
+            f"{budget:.6f}",
+            "--store",
+            pg_address,
+        )
         kept = journal.read_bytes()
 
         again = Gateway(tmp_path, models, store=through_proxy, auth=auth)
@@ -193,8 +212,12 @@ def test_rows_queued_while_the_store_is_unreachable_are_stored_exactly_once_afte
         assert len(rows) == BEFORE + DURING and len(set(ids)) == len(ids)
         assert set(ids) == before | set(journaled)
         # Budgets restored at start counted the replayed spend: the key is over its budget.
-        r = httpx.post(again.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
-                       json={"model": "fake", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 8})
+        r = httpx.post(
+            again.url + "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+            json={"model": "fake", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 8},
+        )
         assert r.status_code == 429, r.text
         assert again.stop() == 0, again.text()[-3000:]
         stored = sorted(r.request_id for r in _stored(pg_address))

@@ -26,7 +26,7 @@ def pg_database():
     """A fresh database for the module, dropped afterwards; sync so it needs no loop."""
     try:
         asyncio.run(pg_exec(PG_ADMIN, "SELECT 1"))
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError):
+    except (TimeoutError, OSError, asyncpg.PostgresError):
         pytest.skip(PG_SKIP)
     name = f"llmgw_test_{secrets.token_hex(6)}"
     asyncio.run(pg_exec(PG_ADMIN, f'CREATE DATABASE "{name}"'))

@@ -42,6 +42,7 @@ def make(sat: float = 0.0, **cfg) -> tuple[Admission, Load, Clock]:
 
 
 async def settle() -> None:
+    # Yields to the loop, so woken tasks run; no clock is involved, so load cannot make it flake.
     for _ in range(5):
         await asyncio.sleep(0)
 
@@ -51,6 +52,7 @@ async def enqueue(adm: Admission, model: str, band: str, tenant: str, tag: str, 
         ticket = await adm.wait(model, band, tenant)
         order.append(tag)
         return ticket
+
     t = asyncio.create_task(go())
     await settle()
     return t
@@ -59,7 +61,13 @@ async def enqueue(adm: Admission, model: str, band: str, tenant: str, tag: str, 
 def test_config_defaults_and_server_block():
     c = ServerConfig().admission
     assert (c.enabled, c.queue_timeout, c.max_queue, c.healthy_waiting, c.kv_ceiling, c.retry_after) == (
-        True, 30.0, 1000, 8.0, 0.9, 5.0)
+        True,
+        30.0,
+        1000,
+        8.0,
+        0.9,
+        5.0,
+    )
     assert AdmissionConfig.model_validate({"queue_timeout": "2m"}).queue_timeout == 120.0
     with pytest.raises(ValueError):
         AdmissionConfig.model_validate({"kv_ceiling": 1.5})
@@ -289,7 +297,7 @@ async def test_admit_combines_fast_and_slow_path():
     adm.release(t2)
 
 
-async def test_metrics_values():
+async def test_admission_stats_report_queue_depth_by_band_saturation_and_rejections():
     adm, load, _ = make(1.5)
     order: list[str] = []
     tasks = [await enqueue(adm, "m", band, "A", band, order) for band in ("low", "high", "high")]

@@ -15,7 +15,6 @@ from llmgw.testing.fake_engine import FakeEngine
 from llmgw.testing.ports import free_port as _port
 
 
-
 def test_fresh_metrics_showing_an_idle_engine_do_not_hide_the_gateways_own_burst():
     now = 100.0
     ep = Endpoint("m", "http://e", "llamacpp", None)
@@ -32,19 +31,24 @@ def test_fresh_metrics_showing_an_idle_engine_do_not_hide_the_gateways_own_burst
 
 async def test_a_burst_of_100_at_an_engine_with_2_slots_queues_in_the_gateway(tmp_path):
     engine = await FakeEngine(tokens=2, ttft_ms=20, slots=2).start()
-    cfg = parse_server_config({
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-        "auth": {"enabled": False, "store": str(tmp_path / "gw.db")},
-        "router": {"scrape_interval": "1s"},
-        "admission": {"healthy_waiting": 8, "queue_timeout": "60s"},
-        "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
-    })
+    cfg = parse_server_config(
+        {
+            "listen": f"127.0.0.1:{_port()}",
+            "admin_listen": f"127.0.0.1:{_port()}",
+            "metrics_listen": None,
+            "auth": {"enabled": False, "store": str(tmp_path / "gw.db")},
+            "router": {"scrape_interval": "1s"},
+            "admission": {"healthy_waiting": 8, "queue_timeout": "60s"},
+            "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
+        }
+    )
     server = Server(cfg)
     await server.start()
     try:
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cfg.listen.port}", timeout=120,
-                                     limits=limits) as http:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{cfg.listen.port}", timeout=120, limits=limits
+        ) as http:
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             replies = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(100)))
         assert [r.status_code for r in replies].count(200) == 100

@@ -4,8 +4,9 @@ import time
 
 from aiohttp import web
 
-from llmgw.agent.client import STREAM_PATH, ControlPlaneLink, next_delay
+from llmgw.agent.client import ControlPlaneLink, next_delay
 from llmgw.config.agent import parse_agent_config
+from llmgw.protocol import STREAM_PATH
 
 
 def _port():
@@ -29,8 +30,11 @@ async def test_standby_and_dead_addresses_are_skipped_without_waiting():
 
     async def standby(request):
         hits.append("standby")
-        return web.Response(status=503, text="this control plane is a standby; try the leader",
-                            headers={"X-Llmgw-Refusal": "this control plane is a standby; try the leader"})
+        return web.Response(
+            status=503,
+            text="this control plane is a standby; try the leader",
+            headers={"X-Llmgw-Refusal": "this control plane is a standby; try the leader"},
+        )
 
     async def leader(request):
         hits.append("leader")
@@ -43,8 +47,7 @@ async def test_standby_and_dead_addresses_are_skipped_without_waiting():
     r1, standby_addr = await _serve(standby)
     r2, leader_addr = await _serve(leader)
     dead = f"127.0.0.1:{_port()}"
-    cfg = parse_agent_config({"servers": [dead, standby_addr, leader_addr], "tls": None,
-                              "reconnect_base": "5s"})
+    cfg = parse_agent_config({"servers": [dead, standby_addr, leader_addr], "tls": None, "reconnect_base": "5s"})
     got = []
     stop = asyncio.Event()
 
@@ -65,8 +68,9 @@ async def test_standby_and_dead_addresses_are_skipped_without_waiting():
 
 
 async def test_backs_off_when_every_address_failed_and_stops_promptly():
-    cfg = parse_agent_config({"servers": [f"127.0.0.1:{_port()}"], "tls": None, "reconnect_base": "10s",
-                              "reconnect_max": "10s"})
+    cfg = parse_agent_config(
+        {"servers": [f"127.0.0.1:{_port()}"], "tls": None, "reconnect_base": "10s", "reconnect_max": "10s"}
+    )
 
     async def session(ws, addr):
         raise AssertionError("nothing should connect")
@@ -74,7 +78,7 @@ async def test_backs_off_when_every_address_failed_and_stops_promptly():
     stop = asyncio.Event()
     link = ControlPlaneLink(cfg, session)
     task = asyncio.create_task(link.run(stop))
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passes to show the link stays in its backoff
     assert not task.done()  # waiting in backoff
     stop.set()
     await asyncio.wait_for(task, 1.0)  # the stop interrupts the wait

@@ -21,16 +21,21 @@ def test_plaintext_only_when_tls_is_null():
     assert parse_agent_config({"server": "cp:7443", "tls": None}).addresses() == ["http://cp:7443"]
 
 
-@pytest.mark.parametrize("data,words", [
-    ({}, "no control plane address"),
-    ({"server": "http://cp:7443"}, "every address must match the TLS setting"),
-    ({"server": "https://cp:7443", "tls": None}, "TLS is off"),
-    ({"server": "cp:1", "fabrics": [{"name": "a", "hcas": ["mlx5_0"]}, {"name": "b", "hcas": ["mlx5_0"]}]},
-     "fabrics[1].hcas: mlx5_0 is already on fabric a"),
-    ({"server": "cp:1", "fabrics": [{"name": "a", "hcas": []}]}, "fabrics[0].hcas: lists no adapters"),
-    ({"server": "cp:1", "engines": {"vllm": {"launch_mode": "slurm"}}}, "engines.vllm.launch_mode:"),
-    ({"server": "cp:1", "node": "x"}, "node: unknown key"),
-])
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ({}, "no control plane address"),
+        ({"server": "http://cp:7443"}, "every address must match the TLS setting"),
+        ({"server": "https://cp:7443", "tls": None}, "TLS is off"),
+        (
+            {"server": "cp:1", "fabrics": [{"name": "a", "hcas": ["mlx5_0"]}, {"name": "b", "hcas": ["mlx5_0"]}]},
+            "fabrics[1].hcas: mlx5_0 is already on fabric a",
+        ),
+        ({"server": "cp:1", "fabrics": [{"name": "a", "hcas": []}]}, "fabrics[0].hcas: lists no adapters"),
+        ({"server": "cp:1", "engines": {"vllm": {"launch_mode": "slurm"}}}, "engines.vllm.launch_mode:"),
+        ({"server": "cp:1", "node": "x"}, "node: unknown key"),
+    ],
+)
 def test_refusals_name_the_key(data, words):
     with pytest.raises(ConfigError) as ei:
         parse_agent_config(data)

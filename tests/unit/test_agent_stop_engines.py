@@ -13,7 +13,7 @@ from llmgw.config.agent import parse_agent_config
 
 
 class FakeSupervisor:
-    instances: list["FakeSupervisor"] = []
+    instances: list[FakeSupervisor] = []
 
     def __init__(self, *args, **kwargs) -> None:
         self.calls: list[str] = []
@@ -22,6 +22,7 @@ class FakeSupervisor:
     async def adopt(self):
         class Report:
             adopted: list[str] = []
+
         return Report()
 
     def statuses(self):
@@ -40,6 +41,7 @@ class FakeDiscovery:
 
     def inventory(self):
         from llmgw.protocol.inventory import NodeInventory
+
         return NodeInventory()
 
     def close(self) -> None:
@@ -78,9 +80,15 @@ def fakes(monkeypatch):
 
 
 def _run(tmp_path, **supervisor) -> list[str]:
-    cfg = parse_agent_config({
-        "server": "127.0.0.1:7443", "tls": None, "weights_cache": str(tmp_path / "w"),
-        "engines_dir": str(tmp_path / "e"), "supervisor": {"work_dir": str(tmp_path / "s"), **supervisor}})
+    cfg = parse_agent_config(
+        {
+            "server": "127.0.0.1:7443",
+            "tls": None,
+            "weights_cache": str(tmp_path / "w"),
+            "engines_dir": str(tmp_path / "e"),
+            "supervisor": {"work_dir": str(tmp_path / "s"), **supervisor},
+        }
+    )
     agent = service.Agent(cfg, Identity(node_id="n", mgmt_addr="127.0.0.1", mgmt_interface=None))
     asyncio.run(agent.run(asyncio.Event()))
     return FakeSupervisor.instances[-1].calls
@@ -94,8 +102,9 @@ def test_stop_engines_on_exit_stops_them_first(fakes, tmp_path):
     assert _run(tmp_path, stop_engines_on_exit=True) == ["stop_all", "close"]
 
 
-@pytest.mark.parametrize("addr,host", [("127.0.0.1", "127.0.0.1"), ("10.0.0.5", "0.0.0.0"), (None, "0.0.0.0"),
-                                       ("not-an-address", "0.0.0.0")])
+@pytest.mark.parametrize(
+    "addr,host", [("127.0.0.1", "127.0.0.1"), ("10.0.0.5", "0.0.0.0"), (None, "0.0.0.0"), ("not-an-address", "0.0.0.0")]
+)
 def test_engines_bind_loopback_only_when_the_control_plane_is_reached_over_loopback(addr, host):
     assert service._engine_host(addr) == host
 
@@ -103,10 +112,16 @@ def test_engines_bind_loopback_only_when_the_control_plane_is_reached_over_loopb
 def test_a_binary_agent_yaml_names_is_reported_and_never_installed(tmp_path):
     from llmgw.protocol import EngineWant, Provision, encode
 
-    cfg = parse_agent_config({
-        "server": "127.0.0.1:7443", "tls": None, "weights_cache": str(tmp_path / "w"),
-        "engines_dir": str(tmp_path / "e"), "supervisor": {"work_dir": str(tmp_path / "s")},
-        "engines": {"llamacpp": {"bin": "/opt/own/llama-server"}}})
+    cfg = parse_agent_config(
+        {
+            "server": "127.0.0.1:7443",
+            "tls": None,
+            "weights_cache": str(tmp_path / "w"),
+            "engines_dir": str(tmp_path / "e"),
+            "supervisor": {"work_dir": str(tmp_path / "s")},
+            "engines": {"llamacpp": {"bin": "/opt/own/llama-server"}},
+        }
+    )
     agent = service.Agent(cfg, Identity(node_id="n", mgmt_addr="127.0.0.1", mgmt_interface=None))
 
     class Installer:
@@ -123,6 +138,12 @@ def test_a_binary_agent_yaml_names_is_reported_and_never_installed(tmp_path):
     # Placement counts the node as having llama.cpp...
     assert agent._engine_versions() == {"llamacpp": "configured"}
     # ...and a provision for it installs nothing, while other engines are still installed.
-    agent._handle(encode(Provision(id="p1", engines=[EngineWant(engine="llamacpp", version="b1"),
-                                                     EngineWant(engine="vllm", version="0.11.0")])))
+    agent._handle(
+        encode(
+            Provision(
+                id="p1",
+                engines=[EngineWant(engine="llamacpp", version="b1"), EngineWant(engine="vllm", version="0.11.0")],
+            )
+        )
+    )
     assert [w.engine for w in Converge.wanted] == ["vllm"]

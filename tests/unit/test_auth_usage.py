@@ -1,6 +1,6 @@
 import asyncio
 import hashlib
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +8,7 @@ import pytest
 from llmgw.server.gateway.auth import AuthError, KeyCache
 from llmgw.server.gateway.usage import UsageRecorder
 from llmgw.store import UsageRow
+from llmgw.testing.waiting import async_until
 
 
 def _h(secret: str) -> str:
@@ -39,18 +40,24 @@ def _key(secret, kid="key-1", expires=None):
     return SimpleNamespace(hash=_h(secret), id=kid, prefix=secret[:14], project="p", expires_at=expires)
 
 
-async def test_authenticate_variants():
+async def test_the_key_cache_accepts_good_bearer_keys_and_names_each_kind_of_refusal():
     src = Source()
-    past = datetime.now(timezone.utc) - timedelta(minutes=1)
+    past = datetime.now(UTC) - timedelta(minutes=1)
     src.active = [_key("llmgw-good"), _key("llmgw-old", "key-2", expires=past)]
-    src.revoked = [(_h("llmgw-gone"), datetime(2026, 1, 2, 3, 4, tzinfo=timezone.utc))]
+    src.revoked = [(_h("llmgw-gone"), datetime(2026, 1, 2, 3, 4, tzinfo=UTC))]
     cache = KeyCache(src)
     await cache.load()
     assert cache.authenticate("Bearer llmgw-good").key_id == "key-1"
     assert cache.authenticate("bearer  llmgw-good").project == "p"
-    for header, code in [(None, "missing_api_key"), ("", "missing_api_key"), ("Basic abc", "invalid_api_key"),
-                         ("Bearer ", "invalid_api_key"), ("Bearer llmgw-nope", "invalid_api_key"),
-                         ("Bearer llmgw-gone", "revoked_api_key"), ("Bearer llmgw-old", "expired_api_key")]:
+    for header, code in [
+        (None, "missing_api_key"),
+        ("", "missing_api_key"),
+        ("Basic abc", "invalid_api_key"),
+        ("Bearer ", "invalid_api_key"),
+        ("Bearer llmgw-nope", "invalid_api_key"),
+        ("Bearer llmgw-gone", "revoked_api_key"),
+        ("Bearer llmgw-old", "expired_api_key"),
+    ]:
         with pytest.raises(AuthError) as ei:
             cache.authenticate(header)
         assert ei.value.code == code, header
@@ -65,16 +72,16 @@ async def test_reload_only_on_generation_change_and_survives_store_outage():
     await cache.load()
     cache.start()
     try:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # several polls pass, to show they reload nothing
         assert src.loads == 1  # nothing changed: nothing reloaded
         src.active = [_key("llmgw-b")]
         src.generation = 2
-        await asyncio.sleep(0.1)
+        await async_until(lambda: src.loads >= 2, what="a reload after the generation changed")
         assert src.loads == 2
         with pytest.raises(AuthError):
             cache.authenticate("Bearer llmgw-a")
         src.fail = True
-        await asyncio.sleep(0.1)
+        await async_until(lambda: cache.reload_failures > 0, what="a failed reload counted")
         assert cache.reload_failures > 0
         assert cache.authenticate("Bearer llmgw-b").key_id == "key-1"  # still serving from memory
     finally:
@@ -118,7 +125,7 @@ async def test_usage_queue_is_bounded():
     assert rec.pending == 100 and rec.dropped == 50
 
 
-async def test_stop_flushes():
+async def test_stopping_the_usage_recorder_writes_what_is_still_pending():
     sink = Sink()
     rec = UsageRecorder(sink, flush_interval=3600)
     rec.start()

@@ -10,15 +10,16 @@ import pytest
 
 from llmgw.config.errors import ConfigError
 from llmgw.config.server import ModelConfig, parse_server_config
-from llmgw.server.control.catalog import (Catalog, CatalogError, check_source,
-                                          load_model_file)
+from llmgw.server.control.catalog import Catalog, CatalogError, check_source, load_model_file
 from llmgw.store.store import Store
 
 
-
 def _vllm(name="qwen", **kw):
-    d = {"name": name, "source": "Qwen/Qwen2.5-7B-Instruct",
-         "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "tp": 2}]}
+    d = {
+        "name": name,
+        "source": "Qwen/Qwen2.5-7B-Instruct",
+        "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "tp": 2}],
+    }
     d.update(kw)
     return d
 
@@ -35,6 +36,7 @@ async def _catalog(address, declared=()):
 
 
 # -- the model ------------------------------------------------------------------
+
 
 def test_model_forms_and_refusals():
     assert ModelConfig.model_validate(_static()).managed is False
@@ -53,7 +55,8 @@ def test_model_forms_and_refusals():
     assert "nothing serves it" in err({"name": "a"})
     assert "not both" in err({**_vllm(), **_static("qwen")})
     assert "models[0].profiles[0]: gpu_class is missing: vllm needs a GPU; only llamacpp runs on CPU" in err(
-        _vllm(profiles=[{"engine": "vllm"}]))
+        _vllm(profiles=[{"engine": "vllm"}])
+    )
     assert "models[0].profiles[0].engine:" in err(_vllm(profiles=[{"engine": "ollama"}]))
     assert "source is required" in err(_vllm(source=None))
     assert "llamacpp cannot load the model id" in err(_vllm(profiles=[{"engine": "llamacpp"}]))
@@ -61,16 +64,25 @@ def test_model_forms_and_refusals():
     assert "models[0].scaling: max (1) is smaller than min (2)" in err(_vllm(scaling={"min": 2, "max": 1}))
     assert "models[0].source:" in err(_vllm(source="ftp://x/y"))
     assert "models[0].source:" in err(_vllm(source="model.gguf extra"))
-    assert "tensor parallelism" in err(_vllm(source="/m.gguf", profiles=[{"engine": "llamacpp", "tp": 2, "gpu_class": "l4-22g"}]))
+    assert "tensor parallelism" in err(
+        _vllm(source="/m.gguf", profiles=[{"engine": "llamacpp", "tp": 2, "gpu_class": "l4-22g"}])
+    )
     assert "scaling applies only to a model with profiles" in err({**_static(), "scaling": {"min": 1}})
     assert "is used by another profile" in err(_vllm(profiles=[{"engine": "vllm", "gpu_class": "a"}] * 2))
-    assert "models[0].profiles[0].env:" in err(_vllm(profiles=[{"engine": "vllm", "gpu_class": "a", "env": {"1X": "y"}}]))
+    assert "models[0].profiles[0].env:" in err(
+        _vllm(profiles=[{"engine": "vllm", "gpu_class": "a", "env": {"1X": "y"}}])
+    )
 
 
 def test_fingerprint_stable_and_changes_with_an_edit():
     a = ModelConfig.model_validate(_vllm()).profiles[0]
-    b = ModelConfig.model_validate(_vllm(profiles=[{"gpu_class": "h100-80g", "tp": 2, "engine": "vllm", "nodes": 1,
-                                                     "weight": 1.0, "name": "vllm-h100-80g"}])).profiles[0]
+    b = ModelConfig.model_validate(
+        _vllm(
+            profiles=[
+                {"gpu_class": "h100-80g", "tp": 2, "engine": "vllm", "nodes": 1, "weight": 1.0, "name": "vllm-h100-80g"}
+            ]
+        )
+    ).profiles[0]
     assert a.fingerprint == b.fingerprint  # defaults written out or not, keys in any order
     assert len(a.fingerprint) == 64
     for edit in ({"tp": 4}, {"args": ["--no-jinja"]}, {"env": {"NCCL_DEBUG": "INFO"}}, {"name": "other"}):
@@ -80,11 +92,13 @@ def test_fingerprint_stable_and_changes_with_an_edit():
 
 # -- the catalog ----------------------------------------------------------------
 
+
 async def test_declared_and_stored_and_their_refusals(address):
     store, cat = await _catalog(address, [_vllm(aliases=["chat"]), _static()])
     try:
-        e = await cat.add(_vllm("llama", source="http://mirror:8081/llama/v1/", aliases=["small"],
-                                profiles=[{"engine": "llamacpp"}]))
+        e = await cat.add(
+            _vllm("llama", source="http://mirror:8081/llama/v1/", aliases=["small"], profiles=[{"engine": "llamacpp"}])
+        )
         assert not e.declared and e.created_at is not None
         names = [(x.name, x.declared) for x in cat.models()]
         assert names == [("qwen", True), ("ext", True), ("llama", False)]
@@ -107,7 +121,9 @@ async def test_declared_and_stored_and_their_refusals(address):
             await cat.add(_vllm("q2", aliases=["chat"]))
         with pytest.raises(CatalogError, match=r'model: name: "small" is already an alias of llama'):
             await cat.add(_vllm("small"))
-        with pytest.raises(CatalogError, match=r"model: the configuration is not valid:\n  profiles\[0\]: gpu_class is missing"):
+        with pytest.raises(
+            CatalogError, match=r"model: the configuration is not valid:\n  profiles\[0\]: gpu_class is missing"
+        ):
             await cat.add(_vllm("q3", profiles=[{"engine": "sglang"}]))
         with pytest.raises(CatalogError, match=r"should be a mapping of keys .*, not a str"):
             await cat.add("name: x")  # type: ignore[arg-type]
@@ -117,7 +133,10 @@ async def test_declared_and_stored_and_their_refusals(address):
         s = await cat.scale("llama", 0)
         assert (s.model.scaling.min, s.model.scaling.max, s.model.scaling.state) == (0, 1, "on demand")
         assert (await cat.scale("llama", 0, 0)).model.scaling.state == "stopped"
-        with pytest.raises(CatalogError, match=r"scale: the configuration is not valid:\n  scaling: max \(1\) is smaller than min \(3\)"):
+        with pytest.raises(
+            CatalogError,
+            match=r"scale: the configuration is not valid:\n  scaling: max \(1\) is smaller than min \(3\)",
+        ):
             await cat.scale("llama", 3, 1)
         with pytest.raises(CatalogError, match=r"scaling.min: Input should be greater than or equal to 0"):
             await cat.scale("llama", -1)
@@ -155,7 +174,7 @@ async def test_declaring_a_stored_name_later_lets_server_yaml_win(address):
     store, cat = await _catalog(address, [_vllm("qwen2", aliases=["qwen"])])
     try:
         assert [x.name for x in cat.models()] == ["qwen2"]
-        assert 'is also an alias of qwen2 in server.yaml' in cat.problems[0]
+        assert "is also an alias of qwen2 in server.yaml" in cat.problems[0]
         assert await cat.remove("qwen") is None
         assert await store.catalog_list() == []
     finally:
@@ -183,7 +202,9 @@ def test_load_model_file(tmp_path):
     p.write_text("name: q\nsource: Qwen/Qwen2.5-7B-Instruct\nprofiles:\n  - engine: vllm\n    gpu_class: h100-80g\n")
     assert load_model_file(p)["profiles"] == [{"engine": "vllm", "gpu_class": "h100-80g"}]
     p.write_text("name: q\nsource: Qwen/Qwen2.5-7B-Instruct\nprofiles:\n  - engine: vllm\n")
-    with pytest.raises(ConfigError, match=r"m.yaml: the configuration is not valid:\n  profiles\[0\]: gpu_class is missing"):
+    with pytest.raises(
+        ConfigError, match=r"m.yaml: the configuration is not valid:\n  profiles\[0\]: gpu_class is missing"
+    ):
         load_model_file(p)
     p.write_text("models:\n  - name: q\n")
     with pytest.raises(ConfigError, match="holds a models: list"):
@@ -194,28 +215,45 @@ def test_load_model_file(tmp_path):
 
 # -- source check ---------------------------------------------------------------
 
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
     def _answer(self, body: bool):
         if self.path == "/m.gguf":
-            self.send_response(200); self.send_header("Content-Length", "4"); self.end_headers()
+            self.send_response(200)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
             if body:
                 self.wfile.write(b"GGUF")
         elif self.path == "/noh.gguf":
             if not body:
-                self.send_response(405); self.end_headers(); return
-            self.send_response(206); self.send_header("Content-Length", "1"); self.end_headers(); self.wfile.write(b"G")
+                self.send_response(405)
+                self.end_headers()
+                return
+            self.send_response(206)
+            self.send_header("Content-Length", "1")
+            self.end_headers()
+            self.wfile.write(b"G")
         elif self.path in ("/qwen/v1/", "/html/", "/empty/"):
-            data = {"/qwen/v1/": json.dumps({"files": [{"name": "a.gguf", "bytes": 4}]}).encode(),
-                    "/html/": b"<html>listing</html>", "/empty/": b'{"files": []}'}[self.path]
-            self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+            data = {
+                "/qwen/v1/": json.dumps({"files": [{"name": "a.gguf", "bytes": 4}]}).encode(),
+                "/html/": b"<html>listing</html>",
+                "/empty/": b'{"files": []}',
+            }[self.path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
             self.wfile.write(data)
         elif self.path == "/org/repo/resolve/main/f.gguf":
-            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         else:
-            self.send_response(404); self.send_header("Content-Length", "0"); self.end_headers()
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
     def do_HEAD(self):
         self._answer(False)
@@ -234,7 +272,7 @@ def http_base():
     srv.server_close()
 
 
-async def test_check_source(http_base, tmp_path):
+async def test_check_source_accepts_reachable_sources_and_says_why_others_fail(http_base, tmp_path):
     assert await check_source(f"{http_base}/m.gguf") is None
     assert await check_source(f"{http_base}/noh.gguf") is None
     assert await check_source(f"{http_base}/qwen/v1/") is None
@@ -254,11 +292,11 @@ async def test_add_runs_the_source_check_before_writing(address, http_base):
     store, cat = await _catalog(address)
     try:
         with pytest.raises(CatalogError, match=r"^model: source: .*answered 404.*--no-source-check"):
-            await cat.add(_vllm(source=f"{http_base}/gone.gguf", profiles=[{"engine": "llamacpp"}]),
-                          source_check=check_source)
+            await cat.add(
+                _vllm(source=f"{http_base}/gone.gguf", profiles=[{"engine": "llamacpp"}]), source_check=check_source
+            )
         assert await store.catalog_list() == []
-        await cat.add(_vllm(source=f"{http_base}/m.gguf", profiles=[{"engine": "llamacpp"}]),
-                      source_check=check_source)
+        await cat.add(_vllm(source=f"{http_base}/m.gguf", profiles=[{"engine": "llamacpp"}]), source_check=check_source)
         await cat.add(_vllm("other", source=f"{http_base}/gone.gguf", profiles=[{"engine": "llamacpp"}]))  # skipped
         assert [r.name for r in await store.catalog_list()] == ["other", "qwen"]
     finally:

@@ -12,18 +12,38 @@ def run(*args):
     return runner.invoke(app, list(args))
 
 
-def test_version():
+def test_cli_version_prints_llmgw_and_the_package_version():
     r = run("--version")
     assert r.exit_code == 0
     assert re.fullmatch(r"llmgw v\d+\.\d+\.\d+\n", r.output) and r.output.split()[-1] == f"v{__version__}"
 
 
 def test_every_command_has_help():
-    for args in [(), ("server",), ("keys",), ("keys", "create"), ("keys", "list"), ("keys", "revoke"), ("up",),
-                 ("agent",), ("agent", "inventory"), ("agent", "engine-check"), ("ctl",), ("ctl", "cert"),
-                 ("ctl", "nodes"), ("ctl", "models"), ("ctl", "model", "add"), ("ctl", "scale"), ("ctl", "logs"), ("ctl", "explain-placement"),
-                 ("ctl", "replicas"), ("ctl", "cordon"), ("ctl", "uncordon"), ("ctl", "drain"),
-                 ("node", "remove")]:
+    for args in [
+        (),
+        ("server",),
+        ("keys",),
+        ("keys", "create"),
+        ("keys", "list"),
+        ("keys", "revoke"),
+        ("up",),
+        ("agent",),
+        ("agent", "inventory"),
+        ("agent", "engine-check"),
+        ("ctl",),
+        ("ctl", "cert"),
+        ("ctl", "nodes"),
+        ("ctl", "models"),
+        ("ctl", "model", "add"),
+        ("ctl", "scale"),
+        ("ctl", "logs"),
+        ("ctl", "explain-placement"),
+        ("ctl", "replicas"),
+        ("ctl", "cordon"),
+        ("ctl", "uncordon"),
+        ("ctl", "drain"),
+        ("node", "remove"),
+    ]:
         r = run(*args, "--help")
         assert r.exit_code == 0, args
         assert len(r.output.strip()) > 40
@@ -47,7 +67,7 @@ def test_keys_create_list_revoke(tmp_path):
     assert r.exit_code == 1 and "already revoked" in r.output
 
 
-def test_keys_errors(tmp_path):
+def test_keys_commands_fail_in_words_on_bad_ids_lifetimes_stores_and_configs(tmp_path):
     store = str(tmp_path / "k.db")
     r = run("keys", "revoke", "key-000000000000", "--store", store)
     assert r.exit_code == 1 and "error:" in r.output
@@ -95,8 +115,9 @@ class StubAdmin:
                 if length:
                     self.rfile.read(length)
                 stub.seen.append((self.command, self.path))
-                status, body = stub.routes.get((self.command, self.path),
-                                               (404, {"error": {"message": f"no route {self.path}"}}))
+                status, body = stub.routes.get(
+                    (self.command, self.path), (404, {"error": {"message": f"no route {self.path}"}})
+                )
                 raw = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -130,27 +151,72 @@ def ctl(admin: StubAdmin, *args):
 
 
 def node(node_id: str, **kw) -> dict:
-    base = {"node_id": node_id, "state": "ready", "connected": True, "last_seen": time.time() - 3,
-            "agent_version": "0.1.0", "mgmt_addr": "10.0.0.1", "labels": {}, "engines": {}, "provision": {},
-            "memory": {"total_bytes": 512 * 2**30, "available_bytes": 400 * 2**30}, "gpus_total": 0,
-            "gpus_free": 0, "classes": [], "fabrics": [], "disk_free_bytes": None, "disk_total_bytes": None,
-            "replicas": [], "warnings": []}
+    base = {
+        "node_id": node_id,
+        "state": "ready",
+        "connected": True,
+        "last_seen": time.time() - 3,
+        "agent_version": "0.1.0",
+        "mgmt_addr": "10.0.0.1",
+        "labels": {},
+        "engines": {},
+        "provision": {},
+        "memory": {"total_bytes": 512 * 2**30, "available_bytes": 400 * 2**30},
+        "gpus_total": 0,
+        "gpus_free": 0,
+        "classes": [],
+        "fabrics": [],
+        "disk_free_bytes": None,
+        "disk_total_bytes": None,
+        "replicas": [],
+        "warnings": [],
+    }
     base.update(kw)
     return base
 
 
 NODES = [
-    node("gpu-1", labels={"rack": "a1", "zone": "west"}, engines={"llamacpp": "b5000"},
-         provision={"llamacpp": {"engine": "llamacpp", "version": "b5000", "state": "ready", "detail": None,
-                                 "progress": None},
-                    "vllm": {"engine": "vllm", "version": "0.9.0", "state": "installing",
-                             "detail": "downloading wheels", "progress": {"bytes_done": 400, "bytes_total": 1000}}},
-         gpus_total=8, gpus_free=6, classes=["h100-80g"], fabrics=["ib0"], disk_free_bytes=1_500_000_000_000,
-         disk_total_bytes=2_000_000_000_000, replicas=["qwen-1a2b"], warnings=["GPU 3: 2 uncorrected ECC errors"]),
+    node(
+        "gpu-1",
+        labels={"rack": "a1", "zone": "west"},
+        engines={"llamacpp": "b5000"},
+        provision={
+            "llamacpp": {"engine": "llamacpp", "version": "b5000", "state": "ready", "detail": None, "progress": None},
+            "vllm": {
+                "engine": "vllm",
+                "version": "0.9.0",
+                "state": "installing",
+                "detail": "downloading wheels",
+                "progress": {"bytes_done": 400, "bytes_total": 1000},
+            },
+        },
+        gpus_total=8,
+        gpus_free=6,
+        classes=["h100-80g"],
+        fabrics=["ib0"],
+        disk_free_bytes=1_500_000_000_000,
+        disk_total_bytes=2_000_000_000_000,
+        replicas=["qwen-1a2b"],
+        warnings=["GPU 3: 2 uncorrected ECC errors"],
+    ),
     node("gpu-2", state="cordoned", labels={"rack": "b2"}, gpus_total=4, gpus_free=4, classes=["l40s-45g"]),
-    node("cpu-1", state="unreachable", connected=False, memory=None, last_seen=None, labels={"zone": "east"},
-         provision={"llamacpp": {"engine": "llamacpp", "version": None, "state": "failed",
-                                 "detail": "no release for this CPU", "progress": None}}),
+    node(
+        "cpu-1",
+        state="unreachable",
+        connected=False,
+        memory=None,
+        last_seen=None,
+        labels={"zone": "east"},
+        provision={
+            "llamacpp": {
+                "engine": "llamacpp",
+                "version": None,
+                "state": "failed",
+                "detail": "no release for this CPU",
+                "progress": None,
+            }
+        },
+    ),
 ]
 
 
@@ -166,14 +232,35 @@ def test_ctl_nodes_table(admin):
     r = ctl(admin, "nodes")
     assert r.exit_code == 0, r.output
     t = rows(r.stdout)
-    assert t["NODE"].split() == ["NODE", "STATE", "GPUS", "MEM", "DISK", "ENGINES", "CLASSES", "FABRICS", "REPLICAS",
-                                 "LAST", "SEEN"]
+    assert t["NODE"].split() == [
+        "NODE",
+        "STATE",
+        "GPUS",
+        "MEM",
+        "DISK",
+        "ENGINES",
+        "CLASSES",
+        "FABRICS",
+        "REPLICAS",
+        "LAST",
+        "SEEN",
+    ]
     g1 = t["gpu-1"]
-    for want in ("ready", "6/8", "400/512 GiB free", "1.5 TB free of 2.0 TB", "llamacpp b5000",
-                 "vllm installing: downloading wheels 40%", "h100-80g", "ib0", "qwen-1a2b"):
+    for want in (
+        "ready",
+        "6/8",
+        "400/512 GiB free",
+        "1.5 TB free of 2.0 TB",
+        "llamacpp b5000",
+        "vllm installing: downloading wheels 40%",
+        "h100-80g",
+        "ib0",
+        "qwen-1a2b",
+    ):
         assert want in g1, want
     # Seen 3 s before the listing; a loaded machine may take a few seconds to print it.
     import re
+
     assert 3 <= int(re.search(r"(\d+)s ago", g1).group(1)) <= 30, g1
     assert "  warning: GPU 3: 2 uncorrected ECC errors" in r.stdout
     assert "cordoned" in t["gpu-2"] and "4/4" in t["gpu-2"] and "l40s-45g" in t["gpu-2"]
@@ -184,15 +271,18 @@ def test_ctl_nodes_table(admin):
     assert g1[col:].startswith("6/8") and c1[col:].startswith("-")
 
 
-@pytest.mark.parametrize("args, shown", [
-    (("--state", "read"), {"gpu-1"}),
-    (("--state", "un"), {"cpu-1"}),
-    (("--class", "l40s-45g"), {"gpu-2"}),
-    (("--fabric", "ib0"), {"gpu-1"}),
-    (("--label", "rack"), {"gpu-1", "gpu-2"}),
-    (("--label", "rack=b2"), {"gpu-2"}),
-    (("--label", "rack", "--label", "zone=west"), {"gpu-1"}),
-])
+@pytest.mark.parametrize(
+    "args, shown",
+    [
+        (("--state", "read"), {"gpu-1"}),
+        (("--state", "un"), {"cpu-1"}),
+        (("--class", "l40s-45g"), {"gpu-2"}),
+        (("--fabric", "ib0"), {"gpu-1"}),
+        (("--label", "rack"), {"gpu-1", "gpu-2"}),
+        (("--label", "rack=b2"), {"gpu-2"}),
+        (("--label", "rack", "--label", "zone=west"), {"gpu-1"}),
+    ],
+)
 def test_ctl_nodes_filters(admin, args, shown):
     admin.routes[("GET", "/api/v1/nodes")] = (200, {"nodes": NODES})
     r = ctl(admin, "nodes", *args)
@@ -212,26 +302,77 @@ def test_ctl_nodes_nothing_matches(admin):
 
 
 def replica(rid: str, **kw) -> dict:
-    base = {"id": rid, "model": "qwen", "profile": "default", "state": "ready", "pool": "default", "stale": False,
-            "age_s": 3700, "idle_s": 30, "endpoint": "http://10.0.0.1:8001", "reason": None,
-            "shards": [{"node": "gpu-1", "shard_id": f"{rid}-0", "rank": 0, "gpus": [0], "state": "running",
-                        "fetch": None}]}
+    base = {
+        "id": rid,
+        "model": "qwen",
+        "profile": "default",
+        "state": "ready",
+        "pool": "default",
+        "stale": False,
+        "age_s": 3700,
+        "idle_s": 30,
+        "endpoint": "http://10.0.0.1:8001",
+        "reason": None,
+        "shards": [
+            {"node": "gpu-1", "shard_id": f"{rid}-0", "rank": 0, "gpus": [0], "state": "running", "fetch": None}
+        ],
+    }
     base.update(kw)
     return base
 
 
 REPLICAS = [
     replica("qwen-1a2b", stale=True),
-    replica("qwen-3c4d", state="loading", endpoint=None, idle_s=None, age_s=40,
-            shards=[{"node": "gpu-2", "shard_id": "s0", "rank": 0, "gpus": [0, 1], "state": "pending",
-                     "fetch": {"source": "http://mirror:8081/qwen/", "bytes_done": 504_000_000,
-                               "bytes_total": 1_200_000_000, "percent": 42.0}}]),
-    replica("llama-5e6f", model="llama", state="starting", endpoint=None, idle_s=None, age_s=10,
-            shards=[{"node": "gpu-1", "shard_id": "s1", "rank": 0, "gpus": [2], "state": "pending",
-                     "fetch": {"source": "hf:meta/llama", "bytes_done": 300_000_000, "bytes_total": None,
-                               "percent": None}}]),
-    replica("tiny-7a8b", model="tiny", state="failed", endpoint=None, idle_s=None, age_s=5,
-            reason="llama-server exited with status 1: out of memory", shards=[]),
+    replica(
+        "qwen-3c4d",
+        state="loading",
+        endpoint=None,
+        idle_s=None,
+        age_s=40,
+        shards=[
+            {
+                "node": "gpu-2",
+                "shard_id": "s0",
+                "rank": 0,
+                "gpus": [0, 1],
+                "state": "pending",
+                "fetch": {
+                    "source": "http://mirror:8081/qwen/",
+                    "bytes_done": 504_000_000,
+                    "bytes_total": 1_200_000_000,
+                    "percent": 42.0,
+                },
+            }
+        ],
+    ),
+    replica(
+        "llama-5e6f",
+        model="llama",
+        state="starting",
+        endpoint=None,
+        idle_s=None,
+        age_s=10,
+        shards=[
+            {
+                "node": "gpu-1",
+                "shard_id": "s1",
+                "rank": 0,
+                "gpus": [2],
+                "state": "pending",
+                "fetch": {"source": "hf:meta/llama", "bytes_done": 300_000_000, "bytes_total": None, "percent": None},
+            }
+        ],
+    ),
+    replica(
+        "tiny-7a8b",
+        model="tiny",
+        state="failed",
+        endpoint=None,
+        idle_s=None,
+        age_s=5,
+        reason="llama-server exited with status 1: out of memory",
+        shards=[],
+    ),
 ]
 
 
@@ -265,8 +406,10 @@ def test_ctl_replicas_model_filter_and_json(admin):
 @pytest.mark.parametrize("action, state", [("cordon", "cordoned"), ("uncordon", "ready"), ("drain", "draining")])
 def test_ctl_cordon_uncordon_drain(admin, action, state):
     message = f"gpu-1 is {state}"
-    admin.routes[("POST", f"/api/v1/nodes/gpu-1/{action}")] = (200, {"node": "gpu-1", "state": state,
-                                                                      "message": message})
+    admin.routes[("POST", f"/api/v1/nodes/gpu-1/{action}")] = (
+        200,
+        {"node": "gpu-1", "state": state, "message": message},
+    )
     r = ctl(admin, action, "gpu-1")
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == message
@@ -275,7 +418,9 @@ def test_ctl_cordon_uncordon_drain(admin, action, state):
 
 def test_ctl_node_action_errors(admin):
     admin.routes[("POST", "/api/v1/nodes/ghost/drain")] = (
-        404, {"error": {"message": "no node named ghost is known", "type": "not_found_error"}})
+        404,
+        {"error": {"message": "no node named ghost is known", "type": "not_found_error"}},
+    )
     r = ctl(admin, "drain", "ghost")
     assert r.exit_code == 1
     assert "answered 404: no node named ghost is known" in r.output
@@ -284,16 +429,46 @@ def test_ctl_node_action_errors(admin):
 
 
 def test_ctl_models_shows_ready_over_target_and_why_not(admin):
-    admin.routes[("GET", "/api/v1/models")] = (200, {"problems": [], "models": [
-        {"name": "qwen", "declared": True, "source": "hf:q/q/q.gguf", "scaling": {"min": 2, "max": 2, "state": "fixed"},
-         "profiles": [{"name": "llamacpp-cpu", "engine": "llamacpp"}],
-         "status": {"target": 2, "replicas": {"ready": 1, "starting": 1}, "problem": None,
-                    "backoff": {"failures": 2, "retry_in_s": 18.0, "last_failure": "node n1 refused it"}}},
-        {"name": "big", "declared": False, "source": "org/big", "scaling": {"min": 1, "max": 1, "state": "fixed"},
-         "profiles": [{"name": "vllm-h100-80g", "engine": "vllm"}],
-         "status": {"target": 1, "replicas": {}, "problem": "cannot place big:\n  n1 has no GPUs", "backoff": None}},
-        {"name": "ext", "declared": True, "endpoints": [{"url": "http://x:1", "engine": "openai"}], "profiles": []},
-    ]})
+    admin.routes[("GET", "/api/v1/models")] = (
+        200,
+        {
+            "problems": [],
+            "models": [
+                {
+                    "name": "qwen",
+                    "declared": True,
+                    "source": "hf:q/q/q.gguf",
+                    "scaling": {"min": 2, "max": 2, "state": "fixed"},
+                    "profiles": [{"name": "llamacpp-cpu", "engine": "llamacpp"}],
+                    "status": {
+                        "target": 2,
+                        "replicas": {"ready": 1, "starting": 1},
+                        "problem": None,
+                        "backoff": {"failures": 2, "retry_in_s": 18.0, "last_failure": "node n1 refused it"},
+                    },
+                },
+                {
+                    "name": "big",
+                    "declared": False,
+                    "source": "org/big",
+                    "scaling": {"min": 1, "max": 1, "state": "fixed"},
+                    "profiles": [{"name": "vllm-h100-80g", "engine": "vllm"}],
+                    "status": {
+                        "target": 1,
+                        "replicas": {},
+                        "problem": "cannot place big:\n  n1 has no GPUs",
+                        "backoff": None,
+                    },
+                },
+                {
+                    "name": "ext",
+                    "declared": True,
+                    "endpoints": [{"url": "http://x:1", "engine": "openai"}],
+                    "profiles": [],
+                },
+            ],
+        },
+    )
     r = ctl(admin, "models")
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
@@ -304,11 +479,30 @@ def test_ctl_models_shows_ready_over_target_and_why_not(admin):
 
 
 def test_ctl_mirror_list_and_status_show_sizes_from_the_mirrors_shape(admin):
-    present = {"model": "qwen", "version": "v1", "state": "present", "bytes": 4_000_000_000, "used_by": ["qwen"],
-               "files": [{"name": "q.gguf", "state": "present", "bytes": 4_000_000_000, "sha256": "ab" * 32}]}
-    fetching = {"model": "big", "version": "v2", "state": "fetching", "bytes": 0, "used_by": [],
-                "files": [{"name": "b.gguf", "state": "fetching", "bytes": None, "bytes_done": 300_000_000,
-                           "bytes_total": 1_200_000_000}]}
+    present = {
+        "model": "qwen",
+        "version": "v1",
+        "state": "present",
+        "bytes": 4_000_000_000,
+        "used_by": ["qwen"],
+        "files": [{"name": "q.gguf", "state": "present", "bytes": 4_000_000_000, "sha256": "ab" * 32}],
+    }
+    fetching = {
+        "model": "big",
+        "version": "v2",
+        "state": "fetching",
+        "bytes": 0,
+        "used_by": [],
+        "files": [
+            {
+                "name": "b.gguf",
+                "state": "fetching",
+                "bytes": None,
+                "bytes_done": 300_000_000,
+                "bytes_total": 1_200_000_000,
+            }
+        ],
+    }
     admin.routes[("GET", "/api/v1/mirror")] = (200, {"base": "http://m:8081", "models": [present, fetching]})
     admin.routes[("GET", "/api/v1/mirror/qwen/v1")] = (200, present)
     r = ctl(admin, "mirror", "list")

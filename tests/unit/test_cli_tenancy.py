@@ -44,10 +44,26 @@ async def _generation(db):
 
 
 def test_every_tenancy_command_has_help():
-    for args in [("org",), ("org", "tree"), ("org", "add", "org"), ("org", "add", "team"), ("org", "add", "project"),
-                 ("org", "rename"), ("org", "move"), ("org", "remove"), ("users",), ("users", "create"),
-                 ("users", "list"), ("users", "join"), ("users", "leave"), ("users", "suspend"),
-                 ("users", "reinstate"), ("users", "delete"), ("users", "promote"), ("keys", "limits")]:
+    for args in [
+        ("org",),
+        ("org", "tree"),
+        ("org", "add", "org"),
+        ("org", "add", "team"),
+        ("org", "add", "project"),
+        ("org", "rename"),
+        ("org", "move"),
+        ("org", "remove"),
+        ("users",),
+        ("users", "create"),
+        ("users", "list"),
+        ("users", "join"),
+        ("users", "leave"),
+        ("users", "suspend"),
+        ("users", "reinstate"),
+        ("users", "delete"),
+        ("users", "promote"),
+        ("keys", "limits"),
+    ]:
         r = runner.invoke(app, [*args, "--help"])
         assert r.exit_code == 0 and len(r.output.strip()) > 40, args
 
@@ -55,8 +71,10 @@ def test_every_tenancy_command_has_help():
 def test_org_tree_commands(db):
     assert re.search(r"added organization Acme \(org-[0-9a-f]{10}\)", ok(db, "org", "add", "org", "Acme").stdout)
     ok(db, "org", "add", "team", "platform", "--in", "Acme")
-    assert "added project Acme/platform/gateway (proj-" in ok(
-        db, "org", "add", "project", "gateway", "--in", "Acme/platform").stdout
+    assert (
+        "added project Acme/platform/gateway (proj-"
+        in ok(db, "org", "add", "project", "gateway", "--in", "Acme/platform").stdout
+    )
     ok(db, "org", "add", "org", "Beta")
     ok(db, "org", "add", "team", "platform", "--in", "Beta")
     refused(db, "org", "add", "project", "x", "--in", "platform", match="Acme/platform, Beta/platform; give the path")
@@ -64,7 +82,9 @@ def test_org_tree_commands(db):
     refused(db, "org", "add", "team", "platform", "--in", "Acme", match="already")
     out = ok(db, "org", "tree").stdout
     assert "Acme" in out and "gateway" in out and "proj-" in out
-    assert "moved to Beta/platform/gateway" in ok(db, "org", "move", "project", "gateway", "--to", "Beta/platform").stdout
+    assert (
+        "moved to Beta/platform/gateway" in ok(db, "org", "move", "project", "gateway", "--to", "Beta/platform").stdout
+    )
     assert "renamed to Beta/platform/gw" in ok(db, "org", "rename", "project", "gateway", "gw").stdout
     refused(db, "org", "remove", "team", "Beta/platform", match="not empty")
     refused(db, "org", "rename", "galaxy", "x", "y", match="KIND is org, team or project")
@@ -80,13 +100,30 @@ def test_users_and_keys_in_the_tree(db):
     ok(db, "org", "add", "project", "gateway", "--in", "Acme/platform")
     uid = ok(db, "users", "create", "ann@example.com", "--password", "correct horse", "--name", "Ann").stdout.strip()
     assert re.fullmatch(r"usr-[0-9a-f]{10}", uid)
-    assert ok(db, "users", "create", "bob@example.com", input="secret123\nsecret123\n").stdout.splitlines()[-1].startswith("usr-")
-    refused(db, "keys", "create", "laptop", "--project", "gateway", "--for", "ann@example.com",
-            match="ann@example.com is not a member of Acme/platform/gateway; `llmgw users join` first")
-    refused(db, "users", "join", "ann@example.com", "--team", "platform", "--role", "manager", match="manager is a role")
+    assert (
+        ok(db, "users", "create", "bob@example.com", input="secret123\nsecret123\n")
+        .stdout.splitlines()[-1]
+        .startswith("usr-")
+    )
+    refused(
+        db,
+        "keys",
+        "create",
+        "laptop",
+        "--project",
+        "gateway",
+        "--for",
+        "ann@example.com",
+        match="ann@example.com is not a member of Acme/platform/gateway; `llmgw users join` first",
+    )
+    refused(
+        db, "users", "join", "ann@example.com", "--team", "platform", "--role", "manager", match="manager is a role"
+    )
     refused(db, "users", "join", "ann@example.com", match="exactly one of")
-    assert "ann@example.com is a member of Acme/platform" in ok(
-        db, "users", "join", "ann@example.com", "--team", "platform").stdout
+    assert (
+        "ann@example.com is a member of Acme/platform"
+        in ok(db, "users", "join", "ann@example.com", "--team", "platform").stdout
+    )
     r = ok(db, "keys", "create", "laptop", "--for", "ann@example.com", "--project", "gateway")
     secret = r.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"llmgw-[A-Za-z0-9_-]{40}", secret) and r.stdout.strip() == secret
@@ -103,6 +140,7 @@ def test_users_and_keys_in_the_tree(db):
     async def claim():
         async with await Store.open(db) as s:
             return await s.claim_key(token)
+
     assert asyncio.run(claim()).startswith("llmgw-")
     out = ok(db, "keys", "list").stdout
     header = out.splitlines()[0].split()
@@ -112,6 +150,7 @@ def test_users_and_keys_in_the_tree(db):
     out = ok(db, "users", "list").stdout
     assert "ann@example.com" in out and "Acme/platform" in out and "on their own" in out  # bob
     import json
+
     orgs = json.loads(ok(db, "org", "tree", "--json", "--people").stdout)
     (acme,) = [o for o in orgs if o["name"] == "Acme"]
     assert any(p["path"] == "Acme/platform/gateway" for t in acme["teams"] for p in t["projects"])
@@ -145,35 +184,94 @@ def test_personal_key_and_project_choice(db):
     refused(db, "keys", "create", "k", "--project", "nope", match='No project is named "nope"')
 
 
-def test_keys_limits(db):
+def test_keys_limits_sets_limits_on_a_scope_and_refuses_bad_scopes_in_words(db):
     ok(db, "org", "add", "org", "Acme")
     ok(db, "org", "add", "team", "platform", "--in", "Acme")
     ok(db, "org", "add", "project", "gateway", "--in", "Acme/platform")
-    r = ok(db, "keys", "limits", "--scope", "team", "--id", "Acme/platform", "--rpm", "60", "--budget", "12.5",
-           "--period", "day", "--models", "a,b")
+    r = ok(
+        db,
+        "keys",
+        "limits",
+        "--scope",
+        "team",
+        "--id",
+        "Acme/platform",
+        "--rpm",
+        "60",
+        "--budget",
+        "12.5",
+        "--period",
+        "day",
+        "--models",
+        "a,b",
+    )
     assert re.fullmatch(r"limits set on team team-[0-9a-f]{10}\n", r.stdout)
-    assert re.match(r"limits set on project-member proj-", ok(
-        db, "keys", "limits", "--id", "gateway", "--per-member", "--tpm", "100").stdout)
+    assert re.match(
+        r"limits set on project-member proj-",
+        ok(db, "keys", "limits", "--id", "gateway", "--per-member", "--tpm", "100").stdout,
+    )
 
     async def row():
         async with await Store.open(db) as s:
             team = await s.find("team", "Acme/platform")
             return await s.get_limits("team", team.id)
+
     lim = asyncio.run(row())
     assert (lim.rpm, lim.budget_micros, lim.period, lim.models) == (60, 12_500_000, "day", ("a", "b"))
     refused(db, "keys", "limits", "--scope", "key", "--rpm", "1", match="--scope key needs --id, the key's id")
-    refused(db, "keys", "limits", "--scope", "galaxy", "--id", "x", "--rpm", "1",
-            match='--scope is org, team, project, user or key, not "galaxy"')
-    refused(db, "keys", "limits", "--scope", "user", "--id", "x", "--per-member", "--rpm", "1",
-            match="--per-member is for --scope org, team or project")
+    refused(
+        db,
+        "keys",
+        "limits",
+        "--scope",
+        "galaxy",
+        "--id",
+        "x",
+        "--rpm",
+        "1",
+        match='--scope is org, team, project, user or key, not "galaxy"',
+    )
+    refused(
+        db,
+        "keys",
+        "limits",
+        "--scope",
+        "user",
+        "--id",
+        "x",
+        "--per-member",
+        "--rpm",
+        "1",
+        match="--per-member is for --scope org, team or project",
+    )
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--rpm", "-5", match="negative")
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "-1", match="negative")
     refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "10USD", match="--budget")
     # A budget in micro-units (the old unit) is caught: 5000000 was meant as 5.
-    refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "5000000",
-            match="not micro-units: 5000000 would allow 5,000,000 a month. If you meant 5, write --budget 5")
-    refused(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "0.0000001",
-            match="finer than a millionth of a unit")
+    refused(
+        db,
+        "keys",
+        "limits",
+        "--scope",
+        "team",
+        "--id",
+        "platform",
+        "--budget",
+        "5000000",
+        match="not micro-units: 5000000 would allow 5,000,000 a month. If you meant 5, write --budget 5",
+    )
+    refused(
+        db,
+        "keys",
+        "limits",
+        "--scope",
+        "team",
+        "--id",
+        "platform",
+        "--budget",
+        "0.0000001",
+        match="finer than a millionth of a unit",
+    )
     assert asyncio.run(row()).budget_micros == 12_500_000  # refusals changed nothing
     ok(db, "keys", "limits", "--scope", "team", "--id", "platform", "--budget", "5000000", "--allow-large-budget")
     assert asyncio.run(row()).budget_micros == 5_000_000_000_000

@@ -14,16 +14,19 @@ from llmgw.testing.fake_engine import FakeEngine
 from llmgw.testing.ports import free_port as _port
 
 
-
 @pytest.fixture
 async def one_engine(tmp_path):
     engine = await FakeEngine(tokens=3).start()
-    cfg = parse_server_config({
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-        "auth": {"enabled": False, "store": str(tmp_path / "gw.db")},
-        "router": {"retries": 0, "breaker": {"failures": 100}},
-        "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
-    })
+    cfg = parse_server_config(
+        {
+            "listen": f"127.0.0.1:{_port()}",
+            "admin_listen": f"127.0.0.1:{_port()}",
+            "metrics_listen": None,
+            "auth": {"enabled": False, "store": str(tmp_path / "gw.db")},
+            "router": {"retries": 0, "breaker": {"failures": 100}},
+            "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
+        }
+    )
     server = Server(cfg)
     await server.start()
     yield server, engine

@@ -8,7 +8,7 @@ from llmgw.config.types import parse_duration, parse_listen, parse_size
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_defaults():
+def test_an_empty_server_config_gets_the_documented_defaults():
     c = parse_server_config({})
     assert str(c.listen) == ":8080"
     assert str(c.admin_listen) == "127.0.0.1:9090"
@@ -71,7 +71,7 @@ def test_url_with_v1_refused():
     assert "leave /v1 off" in msg
 
 
-def test_not_a_mapping(tmp_path):
+def test_a_config_file_that_is_not_a_mapping_is_refused(tmp_path):
     p = tmp_path / "s.yaml"
     p.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="should hold a mapping"):
@@ -85,7 +85,7 @@ def test_yaml_syntax_error_has_line(tmp_path):
         load_server_config(p)
 
 
-def test_missing_file(tmp_path):
+def test_loading_a_missing_config_file_says_no_such_file(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_server_config(tmp_path / "nope.yaml")
 
@@ -94,37 +94,42 @@ def test_metrics_listen_can_be_turned_off():
     assert parse_server_config({"metrics_listen": None}).metrics_listen is None
 
 
-@pytest.mark.parametrize("text,host,port", [(":8080", "", 8080), ("127.0.0.1:9", "127.0.0.1", 9),
-                                             ("[::1]:9090", "::1", 9090), ("0.0.0.0:1", "0.0.0.0", 1)])
-def test_parse_listen(text, host, port):
+@pytest.mark.parametrize(
+    "text,host,port",
+    [(":8080", "", 8080), ("127.0.0.1:9", "127.0.0.1", 9), ("[::1]:9090", "::1", 9090), ("0.0.0.0:1", "0.0.0.0", 1)],
+)
+def test_listen_addresses_parse_to_host_and_port(text, host, port):
     a = parse_listen(text)
     assert (a.host, a.port) == (host, port)
 
 
 @pytest.mark.parametrize("bad", ["8080", "host:", ":0", ":70000", "a:b:c"])
-def test_parse_listen_bad(bad):
+def test_malformed_listen_addresses_are_refused(bad):
     with pytest.raises(ValueError):
         parse_listen(bad)
 
 
-@pytest.mark.parametrize("text,seconds", [("30s", 30), ("10m", 600), ("250ms", 0.25), ("1h30m", 5400), (5, 5), (1.5, 1.5)])
-def test_parse_duration(text, seconds):
+@pytest.mark.parametrize(
+    "text,seconds", [("30s", 30), ("10m", 600), ("250ms", 0.25), ("1h30m", 5400), (5, 5), (1.5, 1.5)]
+)
+def test_durations_parse_to_seconds(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("bad", ["ten", "10", "-1s", "0s", True, "5x"])
-def test_parse_duration_bad(bad):
+def test_malformed_or_non_positive_durations_are_refused(bad):
     with pytest.raises(ValueError):
         parse_duration(bad)
 
 
 @pytest.mark.parametrize("text,n", [("32MiB", 32 << 20), (1000, 1000), ("1.5KB", 1500), ("2GiB", 2 << 30)])
-def test_parse_size(text, n):
+def test_sizes_parse_to_bytes_in_binary_and_decimal_units(text, n):
     assert parse_size(text) == n
 
 
-def test_reference_is_current():
+def test_docs_configuration_md_matches_the_config_models():
     from llmgw.config.reference import render
 
     assert (ROOT / "docs" / "configuration.md").read_text() == render(), (
-        "docs/configuration.md is out of date: run python -m llmgw.config.reference > docs/configuration.md")
+        "docs/configuration.md is out of date: run python -m llmgw.config.reference > docs/configuration.md"
+    )

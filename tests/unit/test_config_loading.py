@@ -30,8 +30,11 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, name):
 def test_a_key_given_twice_deep_inside_is_refused_with_where_it_sits(tmp_path):
     msg = _refusal(tmp_path, "server.yaml", b"auth:\n  store: a.db\n  enabled: true\n  store: b.db\n")
     assert '"store" appears twice in auth, at lines 2 and 4' in msg
-    msg = _refusal(tmp_path, "server.yaml",
-                   b"models:\n  - name: a\n    endpoints:\n      - {url: 'http://x:1', url: 'http://y:1'}\n")
+    msg = _refusal(
+        tmp_path,
+        "server.yaml",
+        b"models:\n  - name: a\n    endpoints:\n      - {url: 'http://x:1', url: 'http://y:1'}\n",
+    )
     assert '"url" appears twice in models[0].endpoints[0], at line 4, columns 10 and 29' in msg
 
 

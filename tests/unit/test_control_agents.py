@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from llmgw.protocol import (
     PROTOCOL_VERSION,
+    STREAM_PATH,
     Ack,
     EngineWant,
     FetchProgress,
@@ -32,7 +33,6 @@ from llmgw.protocol import (
 )
 from llmgw.server.control.agents import (
     REFUSAL_HEADER,
-    STREAM_PATH,
     AgentService,
     AgentServiceError,
     NodeState,
@@ -40,6 +40,7 @@ from llmgw.server.control.agents import (
     RequestTimeout,
     ShardEvent,
 )
+from llmgw.testing.waiting import async_until
 
 
 class Leader:
@@ -70,8 +71,13 @@ async def env(request):
 
 
 def reg(node: str = "n1", **kw) -> Register:
-    return Register(node_id=node, protocol_version=PROTOCOL_VERSION, agent_version="t",
-                    features=["logs", "remove-weights", "drain"], **kw)
+    return Register(
+        node_id=node,
+        protocol_version=PROTOCOL_VERSION,
+        agent_version="t",
+        features=["logs", "remove-weights", "drain"],
+        **kw,
+    )
 
 
 async def connect(server: TestServer, http: aiohttp.ClientSession, register: Register | None = None):
@@ -79,14 +85,6 @@ async def connect(server: TestServer, http: aiohttp.ClientSession, register: Reg
     if register is not None:
         await ws.send_bytes(encode(register))
     return ws
-
-
-async def until(cond, timeout: float = 3.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 async def recv(ws) -> object:
@@ -99,24 +97,36 @@ async def test_register_then_heartbeat_keeps_the_node_current(env, caplog):
     svc, server, http = env
     caplog.set_level(logging.INFO, logger="llmgw.server.control.agents")
     ws = await connect(server, http, reg(labels={"zone": "a"}, mgmt_addr="10.0.0.5", engine_versions={}))
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     node = svc.get("n1")
     assert node.state == NodeState.READY and node.labels == {"zone": "a"} and node.mgmt_addr == "10.0.0.5"
     assert node.engine_versions == {} and node.ready_engines() == set()
     assert "node n1 is ready" in caplog.text
 
-    await ws.send_bytes(encode(Heartbeat(node_id="n1", memory=MemoryInfo(total_bytes=8 << 30, available_bytes=4 << 30),
-                                         provision=[ProvisionStatus(engine="llamacpp", state=ProvisionState.INSTALLING)])))
-    await until(lambda: node.memory is not None)
+    await ws.send_bytes(
+        encode(
+            Heartbeat(
+                node_id="n1",
+                memory=MemoryInfo(total_bytes=8 << 30, available_bytes=4 << 30),
+                provision=[ProvisionStatus(engine="llamacpp", state=ProvisionState.INSTALLING)],
+            )
+        )
+    )
+    await async_until(lambda: node.memory is not None)
     assert node.provision["llamacpp"].state == ProvisionState.INSTALLING
     # A partial heartbeat (one engine's provisioning) keeps the rest.
-    await ws.send_bytes(encode(Heartbeat(node_id="n1", provision=[
-        ProvisionStatus(engine="llamacpp", version="b1", state=ProvisionState.READY)])))
-    await until(lambda: node.provision["llamacpp"].state == ProvisionState.READY)
+    await ws.send_bytes(
+        encode(
+            Heartbeat(
+                node_id="n1", provision=[ProvisionStatus(engine="llamacpp", version="b1", state=ProvisionState.READY)]
+            )
+        )
+    )
+    await async_until(lambda: node.provision["llamacpp"].state == ProvisionState.READY)
     assert node.memory.total_bytes == 8 << 30
     assert "node n1 now has llamacpp b1 ready" in caplog.text
     await ws.close()
-    await until(lambda: not svc.is_connected("n1"))
+    await async_until(lambda: not svc.is_connected("n1"))
     assert svc.get("n1").connected is False
 
 
@@ -126,19 +136,24 @@ async def test_shard_status_listener_sees_transitions_and_progress(env):
     svc.on_shard_change(events.append)
     ws = await connect(server, http, reg())
     await ws.send_bytes(encode(ShardStatus(shard_id="s1", state=ShardState.PENDING)))
-    await ws.send_bytes(encode(ShardStatus(shard_id="s1", state=ShardState.PENDING,
-                                           fetch=FetchProgress(source="u", bytes_done=5, bytes_total=10))))
-    await until(lambda: len(events) == 2)
+    await ws.send_bytes(
+        encode(
+            ShardStatus(
+                shard_id="s1", state=ShardState.PENDING, fetch=FetchProgress(source="u", bytes_done=5, bytes_total=10)
+            )
+        )
+    )
+    await async_until(lambda: len(events) == 2)
     assert [e.transition for e in events] == [True, False]
     assert svc.get("n1").shards["s1"].fetch.bytes_done == 5
     # A heartbeat without the still-fetching shard does not drop it.
     await ws.send_bytes(encode(Heartbeat(node_id="n1", shards=[])))
     await ws.send_bytes(encode(ShardStatus(shard_id="s1", state=ShardState.STARTING)))
-    await until(lambda: len(events) == 3)
+    await async_until(lambda: len(events) == 3)
     assert events[2].transition and events[2].status.state == ShardState.STARTING
     # Once started, a heartbeat that no longer lists it means it is gone.
     await ws.send_bytes(encode(Heartbeat(node_id="n1", shards=[])))
-    await until(lambda: len(events) == 4)
+    await async_until(lambda: len(events) == 4)
     assert events[3].status is None and "s1" not in svc.get("n1").shards
     await ws.close()
 
@@ -146,7 +161,7 @@ async def test_shard_status_listener_sees_transitions_and_progress(env):
 async def test_request_reply_correlates_ack_and_logs_reply(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
 
     async def agent():
         # Answers in reverse order, so correlation by id is what pairs them.
@@ -157,8 +172,9 @@ async def test_request_reply_correlates_ack_and_logs_reply(env):
         await ws.send_bytes(encode(LogsReply(id=a.id, source="agent", lines=["hello"])))
 
     task = asyncio.create_task(agent())
-    logs, ack = await asyncio.gather(svc.request("n1", LogsRequest(lines=5), timeout=3),
-                                     svc.request("n1", StopShard(shard_id="s9"), timeout=3))
+    logs, ack = await asyncio.gather(
+        svc.request("n1", LogsRequest(lines=5), timeout=3), svc.request("n1", StopShard(shard_id="s9"), timeout=3)
+    )
     await task
     assert isinstance(logs, LogsReply) and logs.lines == ["hello"]
     assert isinstance(ack, Ack) and not ack.ok and "s9" in ack.error
@@ -168,7 +184,7 @@ async def test_request_reply_correlates_ack_and_logs_reply(env):
 async def test_send_is_fire_and_forget(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     await svc.send("n1", Provision(engines=[EngineWant(engine="llamacpp", version="b1")]))
     msg = await recv(ws)
     assert isinstance(msg, Provision) and msg.id is None
@@ -180,11 +196,11 @@ async def test_request_times_out_and_not_connected_is_said(env):
     with pytest.raises(NotConnected, match="node ghost is not connected"):
         await svc.request("ghost", LogsRequest(), timeout=1)
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     with pytest.raises(RequestTimeout, match=r"node n1 did not answer logs_request .* within 0.2s"):
         await svc.request("n1", LogsRequest(), timeout=0.2)
     await ws.close()
-    await until(lambda: not svc.is_connected("n1"))
+    await async_until(lambda: not svc.is_connected("n1"))
     with pytest.raises(NotConnected, match="node n1 is not connected"):
         await svc.send("n1", LogsRequest(id="x"))
 
@@ -192,7 +208,7 @@ async def test_request_times_out_and_not_connected_is_said(env):
 async def test_a_request_the_agent_did_not_list_is_not_sent(env):
     svc, server, http = env
     ws = await connect(server, http, Register(node_id="old", protocol_version=1))
-    await until(lambda: svc.is_connected("old"))
+    await async_until(lambda: svc.is_connected("old"))
     with pytest.raises(AgentServiceError, match="does not answer logs_request"):
         await svc.request("old", LogsRequest(), timeout=1)
     await ws.close()
@@ -201,7 +217,7 @@ async def test_a_request_the_agent_did_not_list_is_not_sent(env):
 async def test_the_stream_closing_fails_a_waiting_request(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     pending = asyncio.create_task(svc.request("n1", LogsRequest(), timeout=5))
     await recv(ws)
     await ws.close()
@@ -226,7 +242,7 @@ async def test_losing_leadership_closes_streams():
     server = await serve(svc)
     async with aiohttp.ClientSession() as http:
         ws = await connect(server, http, reg())
-        await until(lambda: svc.is_connected("n1"))
+        await async_until(lambda: svc.is_connected("n1"))
         leader.leading = False
         frame = await ws.receive(timeout=3)
         assert frame.type == aiohttp.WSMsgType.CLOSE and b"standby" in frame.extra.encode()
@@ -249,7 +265,7 @@ async def test_a_certificate_naming_another_node_is_refused_naming_both(env):
 async def test_a_matching_certificate_is_accepted(env):
     svc, server, http = env
     ws = await connect(server, http, reg("n1"))
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     await ws.close()
 
 
@@ -267,39 +283,37 @@ async def test_anything_but_register_first_is_refused(env):
     assert svc.nodes() == []
 
 
-@pytest.mark.parametrize("env", [{"unreachable_after": 0.2, "lost_after": 0.5, "check_interval": 0.05}],
-                         indirect=True)
+@pytest.mark.parametrize("env", [{"unreachable_after": 0.2, "lost_after": 0.5, "check_interval": 0.05}], indirect=True)
 async def test_unreachable_then_lost_and_remove(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     with pytest.raises(AgentServiceError, match="agent is connected"):
         svc.remove("n1")
     await ws.close()
-    await until(lambda: not svc.is_connected("n1"))
+    await async_until(lambda: not svc.is_connected("n1"))
     with pytest.raises(AgentServiceError, match="is ready; only a lost node can be removed"):
         svc.remove("n1")
-    await until(lambda: svc.get("n1").state == NodeState.UNREACHABLE)
+    await async_until(lambda: svc.get("n1").state == NodeState.UNREACHABLE)
     with pytest.raises(AgentServiceError, match="is unreachable .*only a lost node can be removed"):
         svc.remove("n1")
     with pytest.raises(NotConnected, match=r"node n1 is not connected \(unreachable since .*UTC\)"):
         await svc.request("n1", LogsRequest(), timeout=1)
-    await until(lambda: svc.get("n1").state == NodeState.LOST)
+    await async_until(lambda: svc.get("n1").state == NodeState.LOST)
     assert svc.remove("n1").node_id == "n1"
     assert svc.get("n1") is None
     with pytest.raises(AgentServiceError, match="no node named n1"):
         svc.remove("n1")
 
 
-@pytest.mark.parametrize("env", [{"unreachable_after": 0.2, "lost_after": 0.5, "check_interval": 0.05}],
-                         indirect=True)
+@pytest.mark.parametrize("env", [{"unreachable_after": 0.2, "lost_after": 0.5, "check_interval": 0.05}], indirect=True)
 async def test_a_heartbeat_brings_an_unreachable_node_back(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
-    await until(lambda: svc.get("n1").state == NodeState.UNREACHABLE)
+    await async_until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.get("n1").state == NodeState.UNREACHABLE)
     await ws.send_bytes(encode(Heartbeat(node_id="n1")))
-    await until(lambda: svc.get("n1").state == NodeState.READY)
+    await async_until(lambda: svc.get("n1").state == NodeState.READY)
     assert svc.get("n1").unreachable_since is None
     await ws.close()
 
@@ -307,7 +321,7 @@ async def test_a_heartbeat_brings_an_unreachable_node_back(env):
 async def test_a_second_connection_replaces_the_first(env):
     svc, server, http = env
     first = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     pending = asyncio.create_task(svc.request("n1", LogsRequest(), timeout=5))
     await recv(first)
     second = await connect(server, http, reg())
@@ -315,6 +329,7 @@ async def test_a_second_connection_replaces_the_first(env):
     assert frame.type == aiohttp.WSMsgType.CLOSE and b"replaced" in frame.extra.encode()
     with pytest.raises(NotConnected, match="connected again"):
         await pending
+    # A pause, not a wait: the first stream's teardown must not take the node's new stream with it.
     await asyncio.sleep(0.05)
     assert svc.is_connected("n1")
     # Commands now go down the new stream.
@@ -326,7 +341,7 @@ async def test_a_second_connection_replaces_the_first(env):
 async def test_malformed_frames_are_answered_and_the_stream_kept(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
-    await until(lambda: svc.is_connected("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
     # A wrong type in a field, with a readable id: an ack saying what is wrong.
     await ws.send_bytes(orjson.dumps({"type": "heartbeat", "id": "h1", "payload": {"memory": {"total_bytes": "x"}}}))
     msg = await recv(ws)

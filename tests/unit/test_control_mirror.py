@@ -9,25 +9,33 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from llmgw.testing.admin import admin_headers
 from llmgw.config.server import MirrorConfig, ServerConfig
 from llmgw.files import write_secret_file
 from llmgw.server.app import Server
 from llmgw.server.control.mirror_client import MirrorClient, MirrorRefused, MirrorUnavailable, entry_from_version
+from llmgw.testing.admin import admin_headers
 
 GiB = 1 << 30
 BASE = "http://models.internal:8081"
 
 
 def version(model="qwen", ver="2026-11-01", state="present", files=None, reason=None) -> dict:
-    return {"model": model, "version": ver, "state": state, "reason": reason,
-            "files": files if files is not None else [{"name": "q.gguf", "state": "present", "bytes": 4 * GiB}]}
+    return {
+        "model": model,
+        "version": ver,
+        "state": state,
+        "reason": reason,
+        "files": files if files is not None else [{"name": "q.gguf", "state": "present", "bytes": 4 * GiB}],
+    }
 
 
 def test_entry_from_a_single_gguf():
     e = entry_from_version(version(), BASE)
-    assert e == {"name": "qwen", "source": f"{BASE}/qwen/2026-11-01/q.gguf",
-                 "profiles": [{"engine": "llamacpp", "min_memory_gb": 8.0}]}
+    assert e == {
+        "name": "qwen",
+        "source": f"{BASE}/qwen/2026-11-01/q.gguf",
+        "profiles": [{"engine": "llamacpp", "min_memory_gb": 8.0}],
+    }
 
 
 def test_entry_from_a_shard_set_points_at_the_version():
@@ -42,8 +50,12 @@ def test_entry_refusals_say_why():
         entry_from_version(version(state="fetching"), BASE)
     with pytest.raises(ValueError, match="failed: truncated"):
         entry_from_version(version(state="failed", reason="truncated"), BASE)
-    st = version(files=[{"name": "model.safetensors", "state": "present", "bytes": GiB},
-                        {"name": "config.json", "state": "present", "bytes": 100}])
+    st = version(
+        files=[
+            {"name": "model.safetensors", "state": "present", "bytes": GiB},
+            {"name": "config.json", "state": "present", "bytes": 100},
+        ]
+    )
     with pytest.raises(ValueError, match="give the GPU class"):
         entry_from_version(st, BASE)
     e = entry_from_version(st, BASE, gpu_class="h100-80g")
@@ -66,8 +78,9 @@ class FakeMirror:
         @web.middleware
         async def need_token(request, handler):
             if request.headers.get("Authorization") != f"Bearer {self.TOKEN}":
-                return web.json_response({"error": {"message": "the mirror's management API needs a credential"}},
-                                         status=401)
+                return web.json_response(
+                    {"error": {"message": "the mirror's management API needs a credential"}}, status=401
+                )
             return await handler(request)
 
         app = web.Application(middlewares=[need_token])
@@ -148,14 +161,27 @@ def _port() -> int:
 
 @pytest.fixture
 async def server(mirror, tmp_path):
-    cfg = ServerConfig.model_validate({
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-        "agent_listen": f"127.0.0.1:{_port()}", "agent_tls": None, "control": {"enabled": True},
-        "engines": {"llamacpp": None}, "auth": {"store": str(tmp_path / "db.sqlite")},
-        "mirror": {"api": str(mirror.server.make_url("/")), "token_file": str(mirror.token_file)},
-        "models": [{"name": "uses-it", "source": f"{BASE}/old/v1/", "scaling": {"min": 0},
-                    "profiles": [{"engine": "llamacpp"}]}],
-    })
+    cfg = ServerConfig.model_validate(
+        {
+            "listen": f"127.0.0.1:{_port()}",
+            "admin_listen": f"127.0.0.1:{_port()}",
+            "metrics_listen": None,
+            "agent_listen": f"127.0.0.1:{_port()}",
+            "agent_tls": None,
+            "control": {"enabled": True},
+            "engines": {"llamacpp": None},
+            "auth": {"store": str(tmp_path / "db.sqlite")},
+            "mirror": {"api": str(mirror.server.make_url("/")), "token_file": str(mirror.token_file)},
+            "models": [
+                {
+                    "name": "uses-it",
+                    "source": f"{BASE}/old/v1/",
+                    "scaling": {"min": 0},
+                    "profiles": [{"engine": "llamacpp"}],
+                }
+            ],
+        }
+    )
     s = Server(cfg)
     await s.start()
     yield s, f"http://{cfg.admin_listen.bind_host}:{cfg.admin_listen.port}"
@@ -165,7 +191,9 @@ async def server(mirror, tmp_path):
 async def test_admin_routes_fetch_serve_and_guard_removal(server, mirror):
     s, admin = server
     async with httpx.AsyncClient(base_url=admin, headers=admin_headers(s)) as http:
-        r = await http.post("/api/v1/mirror/fetch", json={"source": "https://x/q.gguf", "model": "qwen", "version": "v1"})
+        r = await http.post(
+            "/api/v1/mirror/fetch", json={"source": "https://x/q.gguf", "model": "qwen", "version": "v1"}
+        )
         assert r.status_code == 202 and r.json()["state"] == "fetching"
         r = await http.post("/api/v1/mirror/fetch", json={"source": "https://x/q.gguf"})
         assert r.status_code == 400 and '"model": NAME' in r.json()["error"]["message"]
@@ -191,11 +219,15 @@ async def test_admin_routes_fetch_serve_and_guard_removal(server, mirror):
 
 
 async def test_no_mirror_configured_is_said(tmp_path):
-    cfg = ServerConfig.model_validate({
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-        "auth": {"store": str(tmp_path / "db.sqlite")},
-        "models": [{"name": "m", "endpoints": [{"url": "http://127.0.0.1:9", "engine": "openai"}]}],
-    })
+    cfg = ServerConfig.model_validate(
+        {
+            "listen": f"127.0.0.1:{_port()}",
+            "admin_listen": f"127.0.0.1:{_port()}",
+            "metrics_listen": None,
+            "auth": {"store": str(tmp_path / "db.sqlite")},
+            "models": [{"name": "m", "endpoints": [{"url": "http://127.0.0.1:9", "engine": "openai"}]}],
+        }
+    )
     s = Server(cfg)
     await s.start()
     try:
@@ -231,8 +263,9 @@ async def test_model_add_refuses_a_gguf_the_pinned_llamacpp_cannot_load(server, 
         if rng:
             start, end = (int(x) for x in rng.split("=")[1].split("-"))
             end = min(end, len(body) - 1)
-            return web.Response(status=206, body=body[start:end + 1],
-                                headers={"Content-Range": f"bytes {start}-{end}/{len(body)}"})
+            return web.Response(
+                status=206, body=body[start : end + 1], headers={"Content-Range": f"bytes {start}-{end}/{len(body)}"}
+            )
         return web.Response(body=body)
 
     app = web.Application()
@@ -240,9 +273,17 @@ async def test_model_add_refuses_a_gguf_the_pinned_llamacpp_cannot_load(server, 
     files_srv = TestServer(app)
     await files_srv.start_server()
     try:
+
         def model(name, path):
-            return {"model": {"name": name, "source": str(files_srv.make_url(path)), "scaling": {"min": 0},
-                              "profiles": [{"engine": "llamacpp"}]}}
+            return {
+                "model": {
+                    "name": name,
+                    "source": str(files_srv.make_url(path)),
+                    "scaling": {"min": 0},
+                    "profiles": [{"engine": "llamacpp"}],
+                }
+            }
+
         async with httpx.AsyncClient(base_url=admin, headers=admin_headers(s)) as http:
             r = await http.post("/api/v1/models", json=model("foo", "/foo.gguf"))
             assert r.status_code == 400

@@ -24,7 +24,9 @@ def test_init_issue_and_refuse(tmp_path):
     assert "already exists" in r.output and "--force" in r.output
 
     out = tmp_path / "srv"
-    r = runner.invoke(app, ["cert", "issue-server", "cp.internal", "10.0.0.5", "--host", "::1", "--dir", str(pki), "--out", str(out)])
+    r = runner.invoke(
+        app, ["cert", "issue-server", "cp.internal", "10.0.0.5", "--host", "::1", "--dir", str(pki), "--out", str(out)]
+    )
     assert r.exit_code == 0, r.output
     assert "cp.internal, 10.0.0.5, ::1" in r.output
     assert san_names(load_cert(out / "server.pem")) == ["cp.internal", "10.0.0.5", "::1"]
@@ -36,7 +38,7 @@ def test_init_issue_and_refuse(tmp_path):
     assert common_name(load_cert(pki / "gpu-a-01.pem")) == "gpu-a-01"
 
 
-def test_refusals(tmp_path):
+def test_cert_commands_refuse_without_an_authority_or_with_bad_names_and_write_nothing(tmp_path):
     pki = tmp_path / "pki"
     r = runner.invoke(app, ["cert", "issue-client", "node-a", "--dir", str(pki)])
     assert r.exit_code == 1 and "no authority in" in r.output and "init-ca" in r.output

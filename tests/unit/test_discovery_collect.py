@@ -154,7 +154,14 @@ def test_memory_is_reported_whatever_else_fails(tmp_path):
 
 
 def test_a_failing_nvidia_smi_is_said_and_gpus_are_unknown(tmp_path):
-    run = FakeRun({(SMI,): {"returncode": 9, "stdout": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"}})
+    run = FakeRun(
+        {
+            (SMI,): {
+                "returncode": 9,
+                "stdout": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n",
+            }
+        }
+    )
     inv = collect_inventory(options(tmp_path, run))
     assert inv.gpus is None
     assert any("couldn't communicate with the NVIDIA driver" in w for w in inv.warnings)
@@ -271,8 +278,11 @@ def test_nvml_is_preferred_and_topo_still_gives_the_adapters(tmp_path):
     # NVML's peers (the two GPUs it knows) are kept over topo's eight.
     assert [(p.index, p.links) for p in g0.nvlink_peers] == [(1, 18)]
     assert g0.nic_paths["mlx5_0"] == "PXB" and g0.fabric.state == "Completed"
-    assert not run.ran(SMI, "--query-gpu=index,uuid,name,memory.total,memory.used,utilization.gpu,"
-                       "ecc.errors.uncorrected.volatile.total,compute_cap,pci.bus_id")
+    assert not run.ran(
+        SMI,
+        "--query-gpu=index,uuid,name,memory.total,memory.used,utilization.gpu,"
+        "ecc.errors.uncorrected.volatile.total,compute_cap,pci.bus_id",
+    )
     # The heartbeat reads usage through the open NVML session.
     sample = d.sample()
     assert [u.utilization_percent for u in sample.gpus] == [7, 7]
@@ -293,7 +303,15 @@ def test_a_broken_nvml_falls_back_to_nvidia_smi_with_a_warning(tmp_path):
 
 def test_the_heartbeat_sample_rereads_what_changes(tmp_path):
     # The more specific prefix first: answers are matched in order.
-    run = FakeRun({(SMI, "--query-gpu=index,memory.used,utilization.gpu,ecc.errors.uncorrected.volatile.total"): "0, 100, 50, 0\n1, 0, [N/A], 0\n", **h100_answers()})
+    run = FakeRun(
+        {
+            (
+                SMI,
+                "--query-gpu=index,memory.used,utilization.gpu,ecc.errors.uncorrected.volatile.total",
+            ): "0, 100, 50, 0\n1, 0, [N/A], 0\n",
+            **h100_answers(),
+        }
+    )
     opts = options(tmp_path, run)
     d = Discovery(opts)
     first = d.sample()
@@ -354,8 +372,9 @@ def test_the_json_report_is_the_model(tmp_path):
 
 
 def test_the_report_of_a_bare_node(tmp_path):
-    inv = collect_inventory(options(tmp_path, FakeRun({}), which=lambda n: None, ib_root=tmp_path / "none",
-                                    model_dirs=()))
+    inv = collect_inventory(
+        options(tmp_path, FakeRun({}), which=lambda n: None, ib_root=tmp_path / "none", model_dirs=())
+    )
     text = render_inventory(inv, as_json=False)
     assert "GPUs      none" in text
     assert "no InfiniBand or RoCE adapters" in text

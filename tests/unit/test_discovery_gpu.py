@@ -30,7 +30,12 @@ def test_an_h100_node_is_read_from_the_query():
     g = gpus[0]
     assert g.name == "NVIDIA H100 80GB HBM3"
     assert g.memory_total_bytes == 81559 * MIB and g.memory_used_bytes == 0
-    assert (g.compute_capability, g.pci_bus_id, g.ecc_uncorrected, g.utilization_percent) == ("9.0", "00000000:18:00.0", 0, 0)
+    assert (g.compute_capability, g.pci_bus_id, g.ecc_uncorrected, g.utilization_percent) == (
+        "9.0",
+        "00000000:18:00.0",
+        0,
+        0,
+    )
     # Memory held by a process nobody placed there is reported as found.
     assert gpus[3].memory_used_bytes == 4112 * MIB and gpus[3].utilization_percent == 37
 
@@ -96,7 +101,14 @@ def test_fields_an_old_driver_refuses_are_dropped_and_the_query_asked_again():
 
 
 def test_a_failing_nvidia_smi_says_why():
-    run = FakeRun({("nvidia-smi",): {"returncode": 9, "stdout": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"}})
+    run = FakeRun(
+        {
+            ("nvidia-smi",): {
+                "returncode": 9,
+                "stdout": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n",
+            }
+        }
+    )
     with pytest.raises(SMIError, match="couldn't communicate with the NVIDIA driver"):
         query_gpus("nvidia-smi", run)
     with pytest.raises(SMIError, match="did not finish in time"):

@@ -92,11 +92,17 @@ def test_a_vm_without_avx2_says_so_by_its_flags():
 @pytest.mark.parametrize(
     "text, version",
     [
-        ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.90.07  Fri May 31 09:35:42 UTC 2024\n"
-         "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n", "550.90.07"),
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.90.07  Fri May 31 09:35:42 UTC 2024\n"
+            "GCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1~22.04)\n",
+            "550.90.07",
+        ),
         # The open kernel module puts more words between "Module" and the version.
-        ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  "
-         "(dvs-builder@U16-I2-C03-12-4)  Fri Mar 14 07:59:59 UTC 2025\n", "570.133.20"),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release Build  "
+            "(dvs-builder@U16-I2-C03-12-4)  Fri Mar 14 07:59:59 UTC 2025\n",
+            "570.133.20",
+        ),
         ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.82.07  Release Build\n", "580.82.07"),
         ("something else entirely\n", None),
     ],
@@ -111,7 +117,9 @@ def test_collect_host_reads_proc(tmp_path):
         "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.90.07  Fri May 31 09:35:42 UTC 2024\n"
     )
     (tmp_path / "cpuinfo").write_text((FIX / "cpuinfo_x86_2socket").read_text())
-    host = collect_host(os_release=FIX / "os_release_ubuntu2404", proc_root=tmp_path, which=lambda n: None, machine="aarch64")
+    host = collect_host(
+        os_release=FIX / "os_release_ubuntu2404", proc_root=tmp_path, which=lambda n: None, machine="aarch64"
+    )
     assert host.nvidia_driver == "550.90.07"
     assert "avx2" in host.cpu_flags and host.sockets == 2
     assert host.arch == "arm64"
@@ -126,4 +134,9 @@ def test_a_missing_os_release_leaves_the_os_unknown(tmp_path):
 
 def test_architecture_names_are_debians():
     assert [debian_arch(m) for m in ("x86_64", "aarch64", "i686", "armv7l", "ppc64le")] == [
-        "amd64", "arm64", "i386", "armhf", "ppc64el"]
+        "amd64",
+        "arm64",
+        "i386",
+        "armhf",
+        "ppc64el",
+    ]

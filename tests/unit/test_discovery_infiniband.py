@@ -61,8 +61,10 @@ def build_sysfs(tmp_path: Path) -> Path:
     write(ib, "mlx5_1/node_guid", "0c42:a103:0045:bd6c")
     os.symlink(sys / "devices/pci0000:00/0000:3b:00.0", ib / "mlx5_1/device")
     write(sys, "devices/pci0000:00/0000:3b:00.0/net/ibp59s0f0/operstate", "up")
-    for n, state, phys, rate in (("1", "4: ACTIVE", "5: LinkUp", "200 Gb/sec (4X HDR)"),
-                                 ("2", "1: DOWN", "2: Polling", "10 Gb/sec (4X SDR)")):
+    for n, state, phys, rate in (
+        ("1", "4: ACTIVE", "5: LinkUp", "200 Gb/sec (4X HDR)"),
+        ("2", "1: DOWN", "2: Polling", "10 Gb/sec (4X SDR)"),
+    ):
         write(ib, f"mlx5_1/ports/{n}/state", state)
         write(ib, f"mlx5_1/ports/{n}/phys_state", phys)
         write(ib, f"mlx5_1/ports/{n}/rate", rate)
@@ -211,5 +213,5 @@ def test_the_network_of_a_roce_address_is_asked_of_ip():
         (gid_ipv4, "fe80:0000:0000:0000:a288:c2ff:fe64:55e0", None),
     ],
 )
-def test_parse_helpers(fn, value, expected):
+def test_infiniband_sysfs_values_parse_states_rates_numbers_guids_and_gids(fn, value, expected):
     assert fn(value) == expected

@@ -15,7 +15,7 @@ FIX = Path(__file__).parent.parent / "fixtures" / "discovery"
 
 def test_nvlink_and_adapter_distance_are_read_from_an_h100_topology():
     topo = parse_topology((FIX / "topo_h100_sxm_nics.txt").read_text())
-    assert topo.nvlink[0] == {p: 18 for p in range(1, 8)}
+    assert topo.nvlink[0] == dict.fromkeys(range(1, 8), 18)
     assert all(len(peers) == 7 for peers in topo.nvlink.values())
     # The legend turns NICn into the adapter's own name.
     assert topo.adapters == [f"mlx5_{i}" for i in range(10)]
@@ -124,7 +124,11 @@ def test_cards_without_a_fabric_are_absent():
 
 def test_fabric_is_applied_by_bus_id_whatever_its_case_or_domain_width():
     fab = parse_gpu_fabric((FIX / "smi_q_gb200.txt").read_text())
-    gpus = [GPU(index=0, pci_bus_id="00000008:01:00.0"), GPU(index=1, pci_bus_id="0009:01:00.0"), GPU(index=2, pci_bus_id="0000:ff:00.0")]
+    gpus = [
+        GPU(index=0, pci_bus_id="00000008:01:00.0"),
+        GPU(index=1, pci_bus_id="0009:01:00.0"),
+        GPU(index=2, pci_bus_id="0000:ff:00.0"),
+    ]
     apply_fabric(gpus, fab)
     assert gpus[0].fabric.domain and gpus[1].fabric.domain == gpus[0].fabric.domain
     assert gpus[2].fabric is None

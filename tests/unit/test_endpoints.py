@@ -20,13 +20,16 @@ def test_parse_sums_label_sets_and_ignores_others():
 
 
 def test_parse_handles_no_labels_nan_and_timestamps():
-    text = "a 1\nb{x=\"a b\"} 2 1700000000\nc NaN\n#a 7\n garbage\n"
+    text = 'a 1\nb{x="a b"} 2 1700000000\nc NaN\n#a 7\n garbage\n'
     assert parse_prometheus(text, {"a", "b", "c"}) == {"a": 1.0, "b": 2.0}
 
 
 def test_llamacpp_names_apply(tmp_path):
     ep = Endpoint("m", "http://x", "llamacpp", None)
-    ep.apply_scrape("llamacpp:requests_processing 2\nllamacpp:requests_deferred 5\nllamacpp:kv_cache_usage_ratio 0.25\n", time.monotonic())
+    ep.apply_scrape(
+        "llamacpp:requests_processing 2\nllamacpp:requests_deferred 5\nllamacpp:kv_cache_usage_ratio 0.25\n",
+        time.monotonic(),
+    )
     assert (ep.running, ep.waiting, ep.kv_usage) == (2.0, 5.0, 0.25)
 
 
@@ -69,8 +72,11 @@ def test_choose_spreads_ties():
 
 
 def test_choose_skips_excluded_unhealthy_and_other_models():
-    a, b, c = (Endpoint("m", "http://a", "vllm", None), Endpoint("m", "http://b", "vllm", None),
-               Endpoint("n", "http://c", "vllm", None))
+    a, b, c = (
+        Endpoint("m", "http://a", "vllm", None),
+        Endpoint("m", "http://b", "vllm", None),
+        Endpoint("n", "http://c", "vllm", None),
+    )
     s = _ready(a, b, c)
     b.healthy = False
     assert s.choose("m", (a,)) is None
@@ -85,13 +91,13 @@ def test_breaker_opens_half_opens_and_closes():
     assert s.choose("m") is a  # one failure is not enough
     a.record_failure("x")
     assert a.breaker_open and s.choose("m") is None
-    time.sleep(0.06)
+    time.sleep(0.06)  # the cooldown itself is under test: let it pass
     assert s.choose("m") is a  # half-open: one trial
     assert s.choose("m") is None  # ...and only one at a time
     a.record_failure("trial failed")
     assert s.choose("m") is None
     assert a.cooldown == 0.1  # a failed trial doubles the wait
-    time.sleep(0.11)
+    time.sleep(0.11)  # the doubled cooldown passes
     assert s.choose("m") is a
     a.record_success()
     assert not a.breaker_open and s.choose("m") is a and s.choose("m") is a

@@ -17,17 +17,34 @@ import aiohttp
 import pytest
 
 from llmgw.agent.engines import (
-    GPU, EngineSettings, Group, LaunchRefused, NodeFacts, Profile, ShardLaunch, adapter_for, engine_check,
-    plan_shard, probe,
+    GPU,
+    EngineSettings,
+    Group,
+    LaunchRefused,
+    NodeFacts,
+    Profile,
+    ShardLaunch,
+    adapter_for,
+    engine_check,
+    plan_shard,
+    probe,
 )
-from llmgw.agent.supervisor import ShardSpec, ShardState, Supervisor, _quote
+from llmgw.agent.supervisor import ShardSpec, Supervisor, _quote
 from llmgw.config import parse_server_config
 from llmgw.config.errors import ConfigError
 from llmgw.config.server import ModelConfig, ServerConfig
 from llmgw.files import write_secret_file
 from llmgw.protocol import (
-    PROTOCOL_VERSION, Ack, EngineProfile, MemoryInfo, NodeInventory, Register, RunningShard, ShardState as WireState,
-    ShardStatus, StartShard,
+    PROTOCOL_VERSION,
+    Ack,
+    EngineProfile,
+    MemoryInfo,
+    NodeInventory,
+    Register,
+    RunningShard,
+    ShardState,
+    ShardStatus,
+    StartShard,
 )
 from llmgw.protocol.codec import decode, encode
 from llmgw.server.app import Server, StartError
@@ -36,7 +53,7 @@ from llmgw.server.control.catalog import Catalog
 from llmgw.server.control.reconciler import ENGINE_KEY_PREFIX, Reconciler
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.testing.fake_engine import FakeEngine
-from test_supervisor import until
+from llmgw.testing.waiting import async_until
 
 KEY = "llmgw-engine-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
@@ -60,11 +77,16 @@ def no_key_in(records: list[logging.LogRecord], key: str = KEY) -> None:
 def launch(engine: str, *, rank: int = 0, nodes: int = 1, api_key: str | None = KEY, **profile) -> ShardLaunch:
     gpu, multi = engine != "llamacpp", nodes > 1
     return ShardLaunch(
-        shard_id="s1", engine=engine, model="/models/m" if gpu else "/w/m.gguf", served_name="m", port=8001,
+        shard_id="s1",
+        engine=engine,
+        model="/models/m" if gpu else "/w/m.gguf",
+        served_name="m",
+        port=8001,
         profile=Profile(tp=4 * nodes if gpu else 1, nodes=nodes, gpu_ids=[0, 1, 2, 3] if gpu else [], **profile),
         group=Group(rank=rank, leader_addr="10.0.0.10" if multi else None, leader_port=20001 if multi else None),
         node=NodeFacts(gpus=[GPU(index=i, name=H100, compute_capability="9.0") for i in range(8)], interface="ens3"),
-        api_key=api_key)
+        api_key=api_key,
+    )
 
 
 def test_llama_server_gets_its_key_in_the_environment_and_not_on_its_command_line():
@@ -104,14 +126,17 @@ def test_a_shard_started_without_a_key_gives_its_engine_none():
         assert not {"LLAMA_API_KEY", "VLLM_API_KEY"} & set(main.env)
 
 
-@pytest.mark.parametrize("engine, args, env", [
-    ("llamacpp", ["--api-key", "mine"], {}),
-    ("llamacpp", ["--api-key-file=/etc/k"], {}),
-    ("llamacpp", [], {"LLAMA_API_KEY": "mine"}),
-    ("vllm", ["--api-key", "mine"], {}),
-    ("vllm", [], {"VLLM_API_KEY": "mine"}),
-    ("sglang", ["--api-key=mine"], {}),
-])
+@pytest.mark.parametrize(
+    "engine, args, env",
+    [
+        ("llamacpp", ["--api-key", "mine"], {}),
+        ("llamacpp", ["--api-key-file=/etc/k"], {}),
+        ("llamacpp", [], {"LLAMA_API_KEY": "mine"}),
+        ("vllm", ["--api-key", "mine"], {}),
+        ("vllm", [], {"VLLM_API_KEY": "mine"}),
+        ("sglang", ["--api-key=mine"], {}),
+    ],
+)
 def test_a_profile_cannot_give_the_engine_another_key(engine, args, env):
     with pytest.raises(LaunchRefused) as exc:
         plan_shard(launch(engine, extra_args=args, env=env))
@@ -141,8 +166,10 @@ async def test_the_agents_readiness_probe_sends_the_key():
 # ------------------------------------------------------------------ supervisor
 
 # Prints its command line (as SGLang prints its server arguments) and serves as the fake engine.
-CHATTY = ("import sys; print('args:', sys.argv[1:], flush=True); "
-          "from llmgw.testing.fake_engine import main; main(sys.argv[1:])")
+CHATTY = (
+    "import sys; print('args:', sys.argv[1:], flush=True); "
+    "from llmgw.testing.fake_engine import main; main(sys.argv[1:])"
+)
 
 
 @pytest.fixture
@@ -150,8 +177,14 @@ async def sup(tmp_path):
     made: list[Supervisor] = []
 
     def make() -> Supervisor:
-        s = Supervisor(tmp_path / "state", health_interval=0.05, poll_interval=0.05, log_interval=0.05,
-                       stop_timeout=5.0, http_timeout=2.0)
+        s = Supervisor(
+            tmp_path / "state",
+            health_interval=0.05,
+            poll_interval=0.05,
+            log_interval=0.05,
+            stop_timeout=5.0,
+            http_timeout=2.0,
+        )
         made.append(s)
         return s
 
@@ -164,9 +197,14 @@ async def sup(tmp_path):
 
 
 def keyed_spec(port: int) -> ShardSpec:
-    return ShardSpec(shard_id="k1", argv=[sys.executable, "-c", CHATTY, "--port", str(port), "--model", "m",
-                                          "--api-key", KEY],
-                     env={"LLAMA_API_KEY": KEY}, base_url=f"http://127.0.0.1:{port}", model="m", api_key=KEY)
+    return ShardSpec(
+        shard_id="k1",
+        argv=[sys.executable, "-c", CHATTY, "--port", str(port), "--model", "m", "--api-key", KEY],
+        env={"LLAMA_API_KEY": KEY},
+        base_url=f"http://127.0.0.1:{port}",
+        model="m",
+        api_key=KEY,
+    )
 
 
 async def test_a_keyed_engine_is_ready_and_adopted_and_its_key_is_never_shown(sup, tmp_path, caplog):
@@ -176,7 +214,7 @@ async def test_a_keyed_engine_is_ready_and_adopted_and_its_key_is_never_shown(su
     await s1.start(spec)
     st = await s1.wait("k1", ShardState.READY, timeout=30)
     assert st.state is ShardState.READY, st
-    await until(lambda: any("args:" in line for line in s1.tail("k1")), what="the engine's own output")
+    await async_until(lambda: any("args:" in line for line in s1.tail("k1")), what="the engine's own output")
     tail = "\n".join(s1.tail("k1"))
     # The supervisor's own line and the engine printing its arguments are both masked.
     assert "--api-key [hidden]" in tail and "'--api-key', '[hidden]'" in tail and KEY not in tail
@@ -226,19 +264,31 @@ class Fleet:
         self.sent.append((node_id, msg))
 
     def add(self, node_id: str, *, gpus: int = 0, shards: list[RunningShard] | None = None) -> None:
-        from llmgw.protocol import FabricAttachment
         from llmgw.protocol import GPU as WireGPU
+        from llmgw.protocol import FabricAttachment
+
         self.n += 1
-        inv = NodeInventory(memory=MemoryInfo(total_bytes=64 << 30),
-                            gpus=[WireGPU(index=i, name=H100, memory_total_bytes=81559 << 20) for i in range(gpus)])
-        self.svc._apply_register(Register(
-            node_id=node_id, protocol_version=PROTOCOL_VERSION, agent_version="t",
-            features=["logs", "remove-weights", "drain"], inventory=inv, engine_versions={"llamacpp": "1", "vllm": "1"},
-            mgmt_addr=f"10.0.0.{self.n}", shards=shards or [],
-            fabrics=[FabricAttachment(fabric="ib-a", hcas=[f"mlx5_{self.n}"])] if gpus else None), "10.9.9.9")
+        inv = NodeInventory(
+            memory=MemoryInfo(total_bytes=64 << 30),
+            gpus=[WireGPU(index=i, name=H100, memory_total_bytes=81559 << 20) for i in range(gpus)],
+        )
+        self.svc._apply_register(
+            Register(
+                node_id=node_id,
+                protocol_version=PROTOCOL_VERSION,
+                agent_version="t",
+                features=["logs", "remove-weights", "drain"],
+                inventory=inv,
+                engine_versions={"llamacpp": "1", "vllm": "1"},
+                mgmt_addr=f"10.0.0.{self.n}",
+                shards=shards or [],
+                fabrics=[FabricAttachment(fabric="ib-a", hcas=[f"mlx5_{self.n}"])] if gpus else None,
+            ),
+            "10.9.9.9",
+        )
 
     def ready(self, node_id: str, shard_id: str) -> None:
-        self.svc._apply_shard(self.svc.get(node_id), ShardStatus(shard_id=shard_id, state=WireState.READY, pid=7))
+        self.svc._apply_shard(self.svc.get(node_id), ShardStatus(shard_id=shard_id, state=ShardState.READY, pid=7))
 
     def starts(self) -> list[tuple[str, StartShard]]:
         return [(n, m) for n, m in self.sent if isinstance(m, StartShard)]
@@ -246,16 +296,24 @@ class Fleet:
 
 def reconciler(fleet: Fleet, models: list[ModelConfig]) -> Reconciler:
     cfg = ServerConfig.model_validate({"control": {"enabled": True}})
-    return Reconciler(cfg, Catalog(models), fleet.svc, EndpointSet([], 1.0, 10.0, 1.0), clock=lambda: 1000.0,
-                      rng=random.Random(3))
+    return Reconciler(
+        cfg, Catalog(models), fleet.svc, EndpointSet([], 1.0, 10.0, 1.0), clock=lambda: 1000.0, rng=random.Random(3)
+    )
 
 
 def cpu_model(name: str = "m", n: int = 2) -> ModelConfig:
-    return ModelConfig.model_validate({"name": name, "source": "https://example.com/m.gguf", "scaling": {"min": n},
-                                       "profiles": [{"engine": "llamacpp"}]})
+    return ModelConfig.model_validate(
+        {
+            "name": name,
+            "source": "https://example.com/m.gguf",
+            "scaling": {"min": n},
+            "profiles": [{"engine": "llamacpp"}],
+        }
+    )
 
 
 async def settle() -> None:
+    # Yields to the loop, so woken tasks run; no clock is involved, so load cannot make it flake.
     for _ in range(5):
         await asyncio.sleep(0)
 
@@ -291,8 +349,14 @@ async def test_every_shard_of_a_multi_node_replica_carries_the_same_key():
     fleet = Fleet()
     fleet.add("g1", gpus=8)
     fleet.add("g2", gpus=8)
-    big = ModelConfig.model_validate({"name": "big", "source": "org/big", "scaling": {"min": 1}, "profiles": [
-        {"engine": "vllm", "gpu_class": "h100-80g", "tp": 16, "nodes": 2}]})
+    big = ModelConfig.model_validate(
+        {
+            "name": "big",
+            "source": "org/big",
+            "scaling": {"min": 1},
+            "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "tp": 16, "nodes": 2}],
+        }
+    )
     rec = reconciler(fleet, [big])
     await rec.tick()
     await settle()
@@ -305,15 +369,26 @@ async def test_an_adopted_replica_keeps_the_key_its_engine_was_started_with():
     m = cpu_model(n=1)
     rec = reconciler(fleet, [m])
     profile = m.profiles[0]
-    spec = StartShard(shard_id="m-abc-0", replica_id="m-abc", model="m", engine="llamacpp", source=m.source,
-                      http_port=20500, profile=EngineProfile(name=profile.name), profile_fp=profile.fingerprint,
-                      pool="none/cpu", api_key=KEY)
+    spec = StartShard(
+        shard_id="m-abc-0",
+        replica_id="m-abc",
+        model="m",
+        engine="llamacpp",
+        source=m.source,
+        http_port=20500,
+        profile=EngineProfile(name=profile.name),
+        profile_fp=profile.fingerprint,
+        pool="none/cpu",
+        api_key=KEY,
+    )
     old = spec.model_copy(update={"shard_id": "m-old-0", "replica_id": "m-old", "http_port": 20501, "api_key": None})
     # As the agent sends it: the start request it kept, through the wire.
-    reg = RunningShard(shard_id="m-abc-0", replica_id="m-abc", state=WireState.READY, pid=11, spec=spec)
+    reg = RunningShard(shard_id="m-abc-0", replica_id="m-abc", state=ShardState.READY, pid=11, spec=spec)
     reg = decode(encode(Register(node_id="n1", protocol_version=PROTOCOL_VERSION, shards=[reg]))).shards[0]
-    fleet.add("n1", shards=[reg, RunningShard(shard_id="m-old-0", replica_id="m-old", state=WireState.READY,
-                                              pid=12, spec=old)])
+    fleet.add(
+        "n1",
+        shards=[reg, RunningShard(shard_id="m-old-0", replica_id="m-old", state=ShardState.READY, pid=12, spec=old)],
+    )
     await settle()
     eps = {ep.url: ep for ep in rec.endpoints.endpoints}
     assert eps["http://10.0.0.1:20500"].api_key == KEY
@@ -324,18 +399,35 @@ async def test_an_adopted_replica_keeps_the_key_its_engine_was_started_with():
 
 async def test_a_multi_node_replica_adopted_worker_first_takes_its_leaders_key():
     fleet = Fleet()
-    big = ModelConfig.model_validate({"name": "big", "source": "org/big", "scaling": {"min": 1}, "profiles": [
-        {"engine": "vllm", "gpu_class": "h100-80g", "tp": 16, "nodes": 2}]})
+    big = ModelConfig.model_validate(
+        {
+            "name": "big",
+            "source": "org/big",
+            "scaling": {"min": 1},
+            "profiles": [{"engine": "vllm", "gpu_class": "h100-80g", "tp": 16, "nodes": 2}],
+        }
+    )
     rec = reconciler(fleet, [big])
     p = big.profiles[0]
-    base = dict(replica_id="big-1", model="big", engine="vllm", source="org/big", nnodes=2, leader_port=29500,
-                profile=EngineProfile(name=p.name), profile_fp=p.fingerprint, api_key=KEY)
+    base = dict(
+        replica_id="big-1",
+        model="big",
+        engine="vllm",
+        source="org/big",
+        nnodes=2,
+        leader_port=29500,
+        profile=EngineProfile(name=p.name),
+        profile_fp=p.fingerprint,
+        api_key=KEY,
+    )
     leader = StartShard(shard_id="big-1-0", rank=0, http_port=20500, gpus=list(range(8)), **base)
     worker = StartShard(shard_id="big-1-1", rank=1, gpus=list(range(8)), **base)
-    fleet.add("g2", gpus=8, shards=[RunningShard(shard_id="big-1-1", replica_id="big-1", state=WireState.READY,
-                                                 spec=worker)])
-    fleet.add("g1", gpus=8, shards=[RunningShard(shard_id="big-1-0", replica_id="big-1", state=WireState.READY,
-                                                 spec=leader)])
+    fleet.add(
+        "g2", gpus=8, shards=[RunningShard(shard_id="big-1-1", replica_id="big-1", state=ShardState.READY, spec=worker)]
+    )
+    fleet.add(
+        "g1", gpus=8, shards=[RunningShard(shard_id="big-1-0", replica_id="big-1", state=ShardState.READY, spec=leader)]
+    )
     await settle()
     (ep,) = rec.endpoints.endpoints
     assert ep.api_key == KEY
@@ -365,10 +457,15 @@ async def test_scrapes_and_health_checks_send_the_key_and_a_refused_one_takes_th
 
 
 def _port_cfg(tmp_path: Path, endpoints: list[dict]) -> dict:
-    return {"listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-            "auth": {"store": str(tmp_path / "gw.db")}, "data_dir": str(tmp_path / "data"),
-            "router": {"scrape_interval": "100ms"},
-            "models": [{"name": "m", "endpoints": endpoints}]}
+    return {
+        "listen": f"127.0.0.1:{_port()}",
+        "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": None,
+        "auth": {"store": str(tmp_path / "gw.db")},
+        "data_dir": str(tmp_path / "data"),
+        "router": {"scrape_interval": "100ms"},
+        "models": [{"name": "m", "endpoints": endpoints}],
+    }
 
 
 async def test_the_gateway_sends_an_operators_engine_its_key_from_a_file(tmp_path, caplog):
@@ -376,16 +473,20 @@ async def test_the_gateway_sends_an_operators_engine_its_key_from_a_file(tmp_pat
     key_file = tmp_path / "engine.key"
     write_secret_file(key_file, KEY)
     async with FakeEngine(api_key=KEY, tokens=3, model="m") as fe:
-        server = Server(parse_server_config(_port_cfg(tmp_path, [
-            {"url": fe.url, "engine": "llamacpp", "api_key": f"@{key_file}"}])))
+        server = Server(
+            parse_server_config(_port_cfg(tmp_path, [{"url": fe.url, "engine": "llamacpp", "api_key": f"@{key_file}"}]))
+        )
         await server.start()
         try:
             secret, _ = await server.store.create_key("t")
             await server.keys.load()
             url = f"http://127.0.0.1:{server.config.listen.port}/v1/chat/completions"
             async with aiohttp.ClientSession() as http:
-                async with http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                                     headers={"Authorization": f"Bearer {secret}"}) as r:
+                async with http.post(
+                    url,
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Authorization": f"Bearer {secret}"},
+                ) as r:
                     assert r.status == 200, await r.text()
                 # The engine on its own answers nobody without the key.
                 async with http.get(fe.url + "/v1/models") as r:
@@ -402,11 +503,26 @@ async def test_the_gateway_sends_an_operators_engine_its_key_from_a_file(tmp_pat
 
 def test_an_endpoint_key_is_a_file_never_the_key_itself():
     with pytest.raises(ConfigError) as exc:
-        parse_server_config({"models": [{"name": "m", "endpoints": [
-            {"url": "http://127.0.0.1:8000", "engine": "vllm", "api_key": KEY}]}]})
+        parse_server_config(
+            {
+                "models": [
+                    {"name": "m", "endpoints": [{"url": "http://127.0.0.1:8000", "engine": "vllm", "api_key": KEY}]}
+                ]
+            }
+        )
     assert "api_key: must be @/path/to/file" in str(exc.value) and KEY not in str(exc.value)
-    cfg = parse_server_config({"models": [{"name": "m", "endpoints": [
-        {"url": "http://127.0.0.1:8000", "engine": "vllm", "api_key": "@ /etc/llmgw/engine.key"}]}]})
+    cfg = parse_server_config(
+        {
+            "models": [
+                {
+                    "name": "m",
+                    "endpoints": [
+                        {"url": "http://127.0.0.1:8000", "engine": "vllm", "api_key": "@ /etc/llmgw/engine.key"}
+                    ],
+                }
+            ]
+        }
+    )
     assert cfg.models[0].endpoints[0].api_key == "@/etc/llmgw/engine.key"
 
 
@@ -433,6 +549,7 @@ async def test_the_fake_engine_wants_the_key_everywhere_but_health():
                 assert r.status == 401
             async with http.get(fe.url + path, headers={"Authorization": f"Bearer {KEY}"}) as r:
                 assert r.status == 200
-        async with http.post(fe.url + "/v1/chat/completions", json={"messages": []},
-                             headers={"Authorization": "Bearer nope"}) as r:
+        async with http.post(
+            fe.url + "/v1/chat/completions", json={"messages": []}, headers={"Authorization": "Bearer nope"}
+        ) as r:
             assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"

@@ -27,11 +27,28 @@ def script(tmp_path: Path, name: str, body: str) -> str:
 
 def test_the_flags_checked_come_from_the_builders():
     assert adapter_for("llamacpp").check_flags() == [
-        "--model", "--host", "--port", "--alias", "--ctx-size", "--parallel", "--jinja", "--metrics"]
+        "--model",
+        "--host",
+        "--port",
+        "--alias",
+        "--ctx-size",
+        "--parallel",
+        "--jinja",
+        "--metrics",
+    ]
     vllm = adapter_for("vllm").check_flags()
     # Multi-node flags too: a flag used only there is the one nobody notices has gone.
-    for f in ("--served-model-name", "--tensor-parallel-size", "--distributed-executor-backend", "--nnodes",
-              "--node-rank", "--master-addr", "--master-port", "--headless", "--quantization"):
+    for f in (
+        "--served-model-name",
+        "--tensor-parallel-size",
+        "--distributed-executor-backend",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--headless",
+        "--quantization",
+    ):
         assert f in vllm
     sglang = adapter_for("sglang").check_flags()
     for f in ("--model-path", "--tp-size", "--enable-metrics", "--nnodes", "--node-rank", "--dist-init-addr"):
@@ -48,8 +65,10 @@ def test_a_truncated_help_reports_the_flags_past_the_cut_and_says_it_was_cut():
     result = engine_check("llamacpp", fixture("llama-server-help-truncated.txt"))
     # LLAMA_API_KEY, the variable the engine's key goes in, is past the cut too.
     assert result.missing == ["--host", "--port", "--alias", "--parallel", "--jinja", "--metrics", "LLAMA_API_KEY"]
-    assert result.problems[0] == ("--host is not in llama.cpp's --help: llmgw passes it, so this build would refuse "
-                                  "to start a shard (renamed or removed in this version?)")
+    assert result.problems[0] == (
+        "--host is not in llama.cpp's --help: llmgw passes it, so this build would refuse "
+        "to start a shard (renamed or removed in this version?)"
+    )
     assert len(result.warnings) == 1
     w = result.warnings[0]
     assert w.startswith("the help looks cut short (it is 400 lines, and a complete llama.cpp help is over 500")
@@ -61,8 +80,14 @@ def test_flags_match_on_a_word_boundary():
     assert not flag_present("--port", "--portable  keep it portable\n--port-range A-B\n")
     assert not flag_present("--jinja", "--no-jinja   turn templates off\n")
     assert not flag_present("--model", "--model-path PATH\n--draft-model PATH\n")
-    for text in ("--port PORT  the port\n", "-p, --port N\n", "[--port PORT]\n", "--port=PORT\n",
-                 "--jinja, --no-jinja\n", "  --tp-size TP_SIZE, --tensor-parallel-size TP_SIZE\n"):
+    for text in (
+        "--port PORT  the port\n",
+        "-p, --port N\n",
+        "[--port PORT]\n",
+        "--port=PORT\n",
+        "--jinja, --no-jinja\n",
+        "  --tp-size TP_SIZE, --tensor-parallel-size TP_SIZE\n",
+    ):
         flag = "--tp-size" if "tp-size" in text else ("--jinja" if "jinja" in text else "--port")
         assert flag_present(flag, text), text
 
@@ -94,8 +119,10 @@ def test_vllm_full_help_accepts_every_flag():
 def test_vllm_short_help_is_recognised_for_what_it_is():
     result = engine_check("vllm", fixture("vllm-serve-help-short.txt"))
     assert "--tensor-parallel-size" in result.missing
-    assert "it is vLLM's short help, which lists option groups and not their flags; run `vllm serve --help=all`" \
+    assert (
+        "it is vLLM's short help, which lists option groups and not their flags; run `vllm serve --help=all`"
         in result.warnings[0]
+    )
 
 
 def test_sglang_help_accepts_every_flag_and_catches_a_missing_one():
@@ -130,9 +157,13 @@ def test_run_against_the_real_llama_server():
 
 def test_vllm_falls_back_to_plain_help_on_a_release_without_help_all(tmp_path: Path):
     full = FIX / "vllm-serve-help-all.txt"
-    bin_path = script(tmp_path, "vllm", f"""
+    bin_path = script(
+        tmp_path,
+        "vllm",
+        f"""
 if [ "$2" = "--help=all" ]; then echo "vllm serve: error: argument -h/--help: ignored explicit argument 'all'" >&2; exit 2; fi
-[ "$1 $2" = "serve --help" ] && cat '{full}'""")
+[ "$1 $2" = "serve --help" ] && cat '{full}'""",
+    )
     report = run_engine_check("vllm", bin_path)
     assert report.ok, report.problems
     assert report.command == [bin_path, "serve", "--help"] and report.exit_code == 0
@@ -147,8 +178,9 @@ def test_vllm_is_asked_for_the_whole_help_first(tmp_path: Path):
 
 def test_a_missing_binary_says_what_to_pass(tmp_path: Path):
     report = run_engine_check("vllm", str(tmp_path / "nope"))
-    assert report.problems == [f"{tmp_path / 'nope'} was not found; pass --bin with the path of the vllm executable "
-                               "of a vLLM environment"]
+    assert report.problems == [
+        f"{tmp_path / 'nope'} was not found; pass --bin with the path of the vllm executable of a vLLM environment"
+    ]
     p = tmp_path / "llama-server"
     p.write_text("not a program")
     report = run_engine_check("llamacpp", str(p))
@@ -156,14 +188,20 @@ def test_a_missing_binary_says_what_to_pass(tmp_path: Path):
 
 
 def test_sglang_that_will_not_import_is_reported_in_its_words(tmp_path: Path):
-    py = script(tmp_path, "python3", """echo "$1 $2 $3" > /dev/null
+    py = script(
+        tmp_path,
+        "python3",
+        """echo "$1 $2 $3" > /dev/null
 echo "/usr/bin/python3: Error while finding module specification for 'sglang.launch_server' (ModuleNotFoundError: No module named 'sglang')" >&2
-exit 1""")
+exit 1""",
+    )
     report = run_engine_check("sglang", py)
     assert report.command == [py, "-m", "sglang.launch_server", "--help"]
-    assert report.problems == [f"{py} -m sglang.launch_server --help exited with status 1: /usr/bin/python3: Error "
-                               "while finding module specification for 'sglang.launch_server' "
-                               "(ModuleNotFoundError: No module named 'sglang')"]
+    assert report.problems == [
+        f"{py} -m sglang.launch_server --help exited with status 1: /usr/bin/python3: Error "
+        "while finding module specification for 'sglang.launch_server' "
+        "(ModuleNotFoundError: No module named 'sglang')"
+    ]
 
 
 def test_help_printed_to_stderr_still_counts(tmp_path: Path):

@@ -21,6 +21,7 @@ from llmgw.testing.fake_engine import (
     count_text_tokens,
     fake_embedding,
 )
+from llmgw.testing.waiting import async_until
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
 MSG = [{"role": "user", "content": "Hello there, engine"}]
@@ -43,7 +44,7 @@ def sse_events(raw: bytes) -> list[bytes]:
     assert raw.endswith(b"\n\n")
     events = raw[:-2].split(b"\n\n")
     assert all(e.startswith(b"data: ") for e in events)
-    return [e[len(b"data: "):] for e in events]
+    return [e[len(b"data: ") :] for e in events]
 
 
 # ------------------------------------------------------------------ helpers
@@ -68,7 +69,7 @@ def test_fake_embedding_is_unit_and_stable():
     assert a != fake_embedding("y", 32)
 
 
-def test_bad_flavour():
+def test_the_fake_engine_refuses_an_unknown_metrics_flavour():
     with pytest.raises(ValueError):
         FakeEngine(metrics="sglang")
 
@@ -76,7 +77,7 @@ def test_bad_flavour():
 # ------------------------------------------------------------------ chat
 
 
-async def test_url_and_port(fe):
+async def test_the_fake_engine_url_and_base_url_name_its_loopback_port(fe):
     assert fe.port > 0
     assert fe.url == f"http://127.0.0.1:{fe.port}"
     assert fe.base_url == fe.url + "/v1"
@@ -122,7 +123,11 @@ async def test_chat_stream_include_usage_exact_shape(fe, http):
     # Like OpenAI: usage null on every chunk but the last, which has no choices.
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": chat_prompt_tokens(MSG), "completion_tokens": 5, "total_tokens": chat_prompt_tokens(MSG) + 5}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": chat_prompt_tokens(MSG),
+        "completion_tokens": 5,
+        "total_tokens": chat_prompt_tokens(MSG) + 5,
+    }
 
 
 async def test_chat_stream_without_usage(fe, http):
@@ -159,7 +164,7 @@ async def test_stream_with_openai_sdk(fe):
     assert chunks[-1].usage.completion_tokens == 3
 
 
-async def test_latency_settings(http):
+async def test_the_fake_engine_delays_the_first_and_each_later_token_as_configured(http):
     async with FakeEngine(tokens=4, ttft_ms=60, token_ms=20) as fe:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -173,7 +178,7 @@ async def test_latency_settings(http):
     assert total >= 0.055 + 3 * 0.018
 
 
-async def test_bad_requests(fe, http):
+async def test_the_fake_engine_answers_malformed_or_empty_chat_requests_with_400(fe, http):
     async with http.post(fe.url + "/v1/chat/completions", data=b"{nope") as r:
         assert r.status == 400
         assert "error" in await r.json()
@@ -200,7 +205,7 @@ async def test_completions_plain_and_stream(fe, http):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 4
 
 
-async def test_embeddings(http):
+async def test_fake_engine_embeddings_are_deterministic_in_float_and_base64(http):
     async with FakeEngine(embedding_dim=16) as fe:
         async with openai.AsyncOpenAI(base_url=fe.base_url, api_key="k", max_retries=0) as c:
             r = await c.embeddings.create(model="x", input=["hello", "hello world"], encoding_format="float")
@@ -262,8 +267,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def names(text: str, prefix: str) -> set[str]:
-    return {re.split(r"[{ ]", line)[0] for line in text.splitlines()
-            if line.startswith(prefix)}
+    return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line.startswith(prefix)}
 
 
 async def test_llamacpp_metrics_match_real_names(fe, http):
@@ -286,11 +290,10 @@ async def test_llamacpp_legacy_has_kv_gauges():
 
 async def test_metrics_reflect_in_flight_and_queue(http):
     async with FakeEngine(tokens=2, ttft_ms=300, slots=2) as fe:
-        tasks = [asyncio.create_task(http.post(fe.url + "/v1/chat/completions", json={"messages": MSG})) for _ in range(3)]
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if fe.in_flight == 3:
-                break
+        tasks = [
+            asyncio.create_task(http.post(fe.url + "/v1/chat/completions", json={"messages": MSG})) for _ in range(3)
+        ]
+        await async_until(lambda: fe.in_flight == 3, what="all three requests in flight")
         m = parse_metrics(fe.metrics_text())
         assert m["llamacpp:requests_processing"] == 2
         assert m["llamacpp:requests_deferred"] == 1
@@ -304,13 +307,10 @@ async def test_metrics_reflect_in_flight_and_queue(http):
         assert m["llamacpp:prompt_tokens_total"] == 3 * chat_prompt_tokens(MSG)
 
 
-async def test_vllm_metrics(http):
+async def test_fake_engine_vllm_metrics_follow_requests_and_exist_in_real_vllm(http):
     async with FakeEngine(metrics="vllm", model="org/m", tokens=3, ttft_ms=200, kv_capacity_tokens=100) as fe:
         task = asyncio.create_task(http.post(fe.url + "/v1/chat/completions", json={"messages": MSG}))
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if fe.processing:
-                break
+        await async_until(lambda: fe.processing, what="the request processing")
         async with http.get(fe.url + "/metrics") as r:
             text = await r.text()
         m = parse_metrics(text)
@@ -325,7 +325,7 @@ async def test_vllm_metrics(http):
         assert m["vllm:num_requests_running" + lab] == 0
         assert m["vllm:generation_tokens_total" + lab] == 3
         assert m['vllm:request_success_total{engine="0",finished_reason="stop",model_name="org/m"}'] == 1
-        assert m['vllm:e2e_request_latency_seconds_count' + lab] == 1
+        assert m["vllm:e2e_request_latency_seconds_count" + lab] == 1
         assert m['vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="org/m"}'] == 1
     # Every vllm: family we export exists in the (realistic) vLLM fixture.
     fixture = (FIXTURES / "vllm.txt").read_text()
@@ -335,7 +335,7 @@ async def test_vllm_metrics(http):
 # ------------------------------------------------------------------ failures
 
 
-async def test_fail_next_status(fe, http):
+async def test_fail_next_status_fails_only_that_many_chat_requests_not_health(fe, http):
     fe.fail_next(2, status=503)
     statuses = []
     for _ in range(3):
@@ -353,7 +353,7 @@ async def test_fail_next_status(fe, http):
         assert r.status == 200
 
 
-async def test_fail_next_close(fe, http):
+async def test_fail_next_close_drops_one_connection_then_answers(fe, http):
     fe.fail_next(1, mode="close")
     with pytest.raises(aiohttp.ServerDisconnectedError):
         async with http.post(fe.url + "/v1/chat/completions", json={"messages": MSG}) as r:
@@ -362,7 +362,7 @@ async def test_fail_next_close(fe, http):
         assert r.status == 200
 
 
-async def test_fail_next_midstream(fe, http):
+async def test_fail_next_midstream_cuts_a_stream_after_the_tokens_asked_for(fe, http):
     fe.fail_next(1, mode="midstream", after_tokens=2)
     got = []
     with pytest.raises(aiohttp.ClientPayloadError):
@@ -379,14 +379,12 @@ async def test_fail_next_midstream(fe, http):
 async def test_fail_next_hang_counts_as_processing(fe, http):
     fe.fail_next(1, mode="hang")
     with pytest.raises(asyncio.TimeoutError):
-        async with http.post(fe.url + "/v1/chat/completions", json={"messages": MSG},
-                             timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+        async with http.post(
+            fe.url + "/v1/chat/completions", json={"messages": MSG}, timeout=aiohttp.ClientTimeout(total=0.3)
+        ) as r:
             await r.read()
     # It stays "processing" until it notices the client is gone.
-    for _ in range(50):
-        if fe.processing == 0:
-            break
-        await asyncio.sleep(0.02)
+    await async_until(lambda: fe.processing == 0, what="the hung request to stop counting as processing")
     assert fe.processing == 0
 
 
@@ -396,8 +394,9 @@ async def test_fail_next_bad_mode(fe):
 
 
 async def test_requests_are_recorded(fe, http):
-    async with http.post(fe.url + "/v1/chat/completions", json={"messages": MSG, "user": "u1"},
-                         headers={"X-Trace": "t1"}) as r:
+    async with http.post(
+        fe.url + "/v1/chat/completions", json={"messages": MSG, "user": "u1"}, headers={"X-Trace": "t1"}
+    ) as r:
         assert r.status == 200
     rec = fe.requests[-1]
     assert rec.path == "/v1/chat/completions" and rec.body["user"] == "u1"
@@ -409,8 +408,18 @@ async def test_requests_are_recorded(fe, http):
 
 async def test_cli_prints_url_and_serves(http):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmgw.testing.fake_engine", "--port", "0", "--model", "cli-m",
-        "--tokens", "2", "--metrics", "vllm", stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "llmgw.testing.fake_engine",
+        "--port",
+        "0",
+        "--model",
+        "cli-m",
+        "--tokens",
+        "2",
+        "--metrics",
+        "vllm",
+        stdout=asyncio.subprocess.PIPE,
     )
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 20)

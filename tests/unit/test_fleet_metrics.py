@@ -26,7 +26,8 @@ from llmgw.protocol import (
     Storage,
 )
 from llmgw.server.control.agents import AgentService, NodeState
-from llmgw.server.control.fleet_metrics import REPLICA_STATES, FleetCollector
+from llmgw.server.control.fleet_metrics import FleetCollector
+from llmgw.server.control.reconciler import NodeMark, ReplicaState
 from llmgw.server.metrics import GatewayMetrics
 
 GiB = 1 << 30
@@ -35,7 +36,7 @@ GiB = 1 << 30
 @dataclass
 class Rep:
     model: str
-    state: str
+    state: ReplicaState
     node_ids: list[str] = field(default_factory=list)
 
 
@@ -48,25 +49,44 @@ def fleet() -> AgentService:
     inv = NodeInventory(
         host=Host(cpus=64),
         memory=MemoryInfo(total_bytes=512 * GiB, available_bytes=400 * GiB),
-        storage=[Storage(mount_point="/shared", shared=True, total_bytes=10, free_bytes=5),
-                 Storage(mount_point="/var/lib/llmgw", total_bytes=2000 * GiB, free_bytes=1500 * GiB)],
-        gpus=[h100(0, nvlink_peers=[NVLinkPeer(index=1, links=18)]),
-              h100(1, nvlink_peers=[NVLinkPeer(index=0, links=18)], problems=["fell off the bus"]),
-              GPU(index=2, name="NVIDIA L40S", memory_total_bytes=45 * GiB)],
-        adapters=[HCA(name="mlx5_0", ports=[IBPort(hca="mlx5_0", port=1, state="ACTIVE", phys_state="LinkUp",
-                                                   rate_gbps=400.0)])],
+        storage=[
+            Storage(mount_point="/shared", shared=True, total_bytes=10, free_bytes=5),
+            Storage(mount_point="/var/lib/llmgw", total_bytes=2000 * GiB, free_bytes=1500 * GiB),
+        ],
+        gpus=[
+            h100(0, nvlink_peers=[NVLinkPeer(index=1, links=18)]),
+            h100(1, nvlink_peers=[NVLinkPeer(index=0, links=18)], problems=["fell off the bus"]),
+            GPU(index=2, name="NVIDIA L40S", memory_total_bytes=45 * GiB),
+        ],
+        adapters=[
+            HCA(
+                name="mlx5_0",
+                ports=[IBPort(hca="mlx5_0", port=1, state="ACTIVE", phys_state="LinkUp", rate_gbps=400.0)],
+            )
+        ],
         imex=IMEX(state="active"),
     )
     svc._apply_register(Register(node_id="gpu-1", protocol_version=PROTOCOL_VERSION, inventory=inv), None)
-    svc._apply_heartbeat(svc.get("gpu-1"), Heartbeat(
-        memory=MemoryInfo(total_bytes=512 * GiB, available_bytes=300 * GiB),
-        load=NodeLoad(cpu_percent=37.5, cpu_count=64, load1=1.5, load5=2.0, load15=None),
-        gpus=[GPUUsage(index=0, utilization_percent=80), GPUUsage(index=1), GPUUsage(index=2, utilization_percent=0)],
-        ib_ports=[IBPort(hca="mlx5_0", port=1, state="DOWN", phys_state="Polling"),
-                  IBPort(hca="mlx5_1", port=1, state="ACTIVE", phys_state="LinkUp", rate_gbps=200.0)],
-        provision=[ProvisionStatus(engine="llamacpp", version="b1", state=ProvisionState.READY),
-                   ProvisionStatus(engine="vllm", state=ProvisionState.INSTALLING, detail="downloading")],
-    ))
+    svc._apply_heartbeat(
+        svc.get("gpu-1"),
+        Heartbeat(
+            memory=MemoryInfo(total_bytes=512 * GiB, available_bytes=300 * GiB),
+            load=NodeLoad(cpu_percent=37.5, cpu_count=64, load1=1.5, load5=2.0, load15=None),
+            gpus=[
+                GPUUsage(index=0, utilization_percent=80),
+                GPUUsage(index=1),
+                GPUUsage(index=2, utilization_percent=0),
+            ],
+            ib_ports=[
+                IBPort(hca="mlx5_0", port=1, state="DOWN", phys_state="Polling"),
+                IBPort(hca="mlx5_1", port=1, state="ACTIVE", phys_state="LinkUp", rate_gbps=200.0),
+            ],
+            provision=[
+                ProvisionStatus(engine="llamacpp", version="b1", state=ProvisionState.READY),
+                ProvisionStatus(engine="vllm", state=ProvisionState.INSTALLING, detail="downloading"),
+            ],
+        ),
+    )
     # A node that said almost nothing: an old agent on a CPU machine.
     svc._apply_register(Register(node_id="cpu-1", protocol_version=PROTOCOL_VERSION), None)
     return svc
@@ -114,7 +134,7 @@ def test_node_values_and_labels():
     assert s['llmgw_node_provision{engine="vllm",node="gpu-1",state="installing"}'] == 1
 
 
-def test_gpu_series():
+def test_gpu_series_report_health_utilization_and_nvlink_peers_only_when_known():
     s = samples(scrape(FleetCollector(fleet(), list)))
     assert s['llmgw_gpu_healthy{gpu="0",node="gpu-1"}'] == 1
     assert s['llmgw_gpu_healthy{gpu="1",node="gpu-1"}'] == 0  # a problem at discovery keeps it out
@@ -161,32 +181,41 @@ def test_a_stale_node_keeps_only_up_and_last_seen():
 
 def test_cordoned_and_draining_nodes_do_not_take_work():
     svc = fleet()
-    s = samples(scrape(FleetCollector(svc, list, lambda: {"gpu-1": "cordoned", "cpu-1": "draining"})))
+    s = samples(scrape(FleetCollector(svc, list, lambda: {"gpu-1": NodeMark.CORDONED, "cpu-1": NodeMark.DRAINING})))
     assert s['llmgw_node_up{node="gpu-1",state="cordoned"}'] == 0
     assert s['llmgw_node_up{node="cpu-1",state="draining"}'] == 0
     assert not any(k.startswith("llmgw_node_up") and 'state="ready"' in k for k in s)
     svc.get("cpu-1").state = NodeState.UNREACHABLE  # an unreachable node says so, cordoned or not
-    s = samples(scrape(FleetCollector(svc, list, lambda: {"cpu-1": "cordoned"})))
+    s = samples(scrape(FleetCollector(svc, list, lambda: {"cpu-1": NodeMark.CORDONED})))
     assert s['llmgw_node_up{node="cpu-1",state="unreachable"}'] == 0
 
 
 def test_replicas_by_state_and_ready_per_model():
-    reps = [Rep("qwen", "ready", ["gpu-1"]), Rep("qwen", "ready", ["gpu-1"]), Rep("qwen", "loading", ["gpu-1"]),
-            Rep("llama", "failed", ["cpu-1"])]
+    reps = [
+        Rep("qwen", ReplicaState.READY, ["gpu-1"]),
+        Rep("qwen", ReplicaState.READY, ["gpu-1"]),
+        Rep("qwen", ReplicaState.LOADING, ["gpu-1"]),
+        Rep("llama", ReplicaState.FAILED, ["cpu-1"]),
+    ]
     s = samples(scrape(FleetCollector(AgentService(), lambda: reps)))
-    assert {st: s[f'llmgw_replicas{{state="{st}"}}'] for st in REPLICA_STATES} == {
-        "starting": 0, "loading": 1, "ready": 2, "failed": 1, "stopping": 0}
+    assert {st: s[f'llmgw_replicas{{state="{st}"}}'] for st in ReplicaState} == {
+        "starting": 0,
+        "loading": 1,
+        "ready": 2,
+        "failed": 1,
+        "stopping": 0,
+    }
     assert s['llmgw_model_replicas_ready{model="qwen"}'] == 2
     assert s['llmgw_model_replicas_ready{model="llama"}'] == 0
     assert not any(k.startswith("llmgw_model_replicas_ready") and "mistral" in k for k in s)
     empty = samples(scrape(FleetCollector(AgentService(), list)))
-    assert all(empty[f'llmgw_replicas{{state="{st}"}}'] == 0 for st in REPLICA_STATES)
+    assert all(empty[f'llmgw_replicas{{state="{st}"}}'] == 0 for st in ReplicaState)
     assert not any(k.startswith("llmgw_model_replicas_ready") for k in empty)
 
 
 def test_gateway_metrics_export_the_fleet():
     m = GatewayMetrics()
-    m.watch_fleet(FleetCollector(fleet(), lambda: [Rep("qwen", "ready", ["gpu-1"])]))
+    m.watch_fleet(FleetCollector(fleet(), lambda: [Rep("qwen", ReplicaState.READY, ["gpu-1"])]))
     text = m.render().decode()
     assert 'llmgw_node_up{node="gpu-1",state="ready"} 1.0' in text
     assert 'llmgw_model_replicas_ready{model="qwen"} 1.0' in text

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 
 import httpx
 import orjson
 import pytest
 
-from llmgw.testing.admin import admin_headers
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
+from llmgw.testing.admin import admin_headers
 from llmgw.testing.fake_engine import FakeEngine
+from llmgw.testing.waiting import async_until
 
 
 def _port() -> int:
@@ -32,8 +32,9 @@ class Env:
         self.admin_auth = admin_headers(server)
 
     async def chat(self, model: str = "m", **body) -> httpx.Response:
-        return await self.http.post("/v1/chat/completions",
-                                    json={"model": model, "messages": [{"role": "user", "content": "hi there"}], **body})
+        return await self.http.post(
+            "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "hi there"}], **body}
+        )
 
     async def rows(self):
         await self.server.usage.flush()
@@ -43,11 +44,18 @@ class Env:
 async def _env(tmp_path, n: int = 2, endpoint_extra: dict | None = None, **overrides):
     engines = [await FakeEngine(tokens=5).start() for _ in range(n)]
     cfg = {
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "listen": f"127.0.0.1:{_port()}",
+        "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": None,
         "auth": {"store": str(tmp_path / "gw.db")},
         "router": {"scrape_interval": "100ms", "breaker": {"failures": 2, "cooldown": "30s"}},
-        "models": [{"name": "m", "aliases": ["alias"],
-                    "endpoints": [{"url": e.url, "engine": "llamacpp", **(endpoint_extra or {})} for e in engines]}],
+        "models": [
+            {
+                "name": "m",
+                "aliases": ["alias"],
+                "endpoints": [{"url": e.url, "engine": "llamacpp", **(endpoint_extra or {})} for e in engines],
+            }
+        ],
     }
     for k, v in overrides.items():
         cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
@@ -89,13 +97,19 @@ async def test_retry_on_another_endpoint_before_first_byte(env):
     a, b = env.engines
     a.fail_next(50, 503)
     b.waiting = 5  # b's engine reports a queue, so a is chosen first while it is in
-    await asyncio.sleep(0.35)
+    await async_until(
+        lambda: {ep.url: ep.waiting for ep in env.server.endpoints.endpoints}.get(b.url) == 5,
+        what="a scrape to see b's queue",
+    )
     for _ in range(6):
         r = await env.chat()
         assert r.status_code == 200, r.text
     # Two failures opened a's breaker; after that it was not tried at all.
     assert sum(1 for r in a.requests if r.path.startswith("/v1/")) == 2
-    status = {s["url"]: s for s in (await env.http.get(env.admin + "/api/v1/endpoints", headers=env.admin_auth)).json()["endpoints"]}
+    status = {
+        s["url"]: s
+        for s in (await env.http.get(env.admin + "/api/v1/endpoints", headers=env.admin_auth)).json()["endpoints"]
+    }
     assert status[a.url]["breaker_open"] and not status[a.url]["available"]
 
 
@@ -128,8 +142,11 @@ async def test_engine_error_passed_through_not_retried(env):
 
 
 async def test_stream_passes_events_and_strips_usage_unless_asked(env):
-    async with env.http.stream("POST", "/v1/chat/completions", json={
-            "model": "alias", "stream": True, "messages": [{"role": "user", "content": "x"}]}) as r:
+    async with env.http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "alias", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         body = b"".join([c async for c in r.aiter_raw()])
     events = [e for e in body.split(b"\n\n") if e]
@@ -141,9 +158,16 @@ async def test_stream_passes_events_and_strips_usage_unless_asked(env):
     (row,) = await env.rows()
     assert row.completion_tokens == 5 and row.stream and row.ttft_ms is not None and row.model == "alias"
 
-    async with env.http.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "x"}]}) as r:
+    async with env.http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "x"}],
+        },
+    ) as r:
         body = b"".join([c async for c in r.aiter_raw()])
     usage_events = [e for e in body.split(b"\n\n") if b'"usage":{' in e]
     assert len(usage_events) == 1 and orjson.loads(usage_events[0][5:])["choices"] == []
@@ -152,8 +176,11 @@ async def test_stream_passes_events_and_strips_usage_unless_asked(env):
 async def test_stream_cut_midway_is_recorded_as_502(env):
     for e in env.engines:
         e.fail_next(1, mode="midstream", after_tokens=2)
-    async with env.http.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}) as r:
+    async with env.http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    ) as r:
         try:
             body = b"".join([c async for c in r.aiter_raw()])
         except httpx.HTTPError:
@@ -191,7 +218,10 @@ async def test_upstream_model_name_is_sent(tmp_path):
 async def test_load_from_scraped_metrics_steers_traffic(env):
     a, b = env.engines
     a.waiting = 10  # a's engine reports a queue (say, from another gateway)
-    await asyncio.sleep(0.35)  # a few scrape intervals
+    await async_until(
+        lambda: {ep.url: ep.waiting for ep in env.server.endpoints.endpoints}.get(a.url) == 10,
+        what="a scrape to see a's queue",
+    )
     for _ in range(5):
         assert (await env.chat()).status_code == 200
     assert not [q for q in a.requests if q.path.startswith("/v1/")]
@@ -206,7 +236,7 @@ async def test_refusals_carry_server_timing(env):
     assert r.status_code == 405
 
 
-async def test_metrics_render(env):
+async def test_admin_metrics_count_requests_and_show_overhead_load_and_pending_usage(env):
     await env.chat()
     text = (await env.http.get(env.admin + "/metrics", headers=env.admin_auth)).text
     assert 'llmgw_requests_total{model="m",route="chat",status="200"} 1.0' in text

@@ -20,6 +20,7 @@ from llmgw.server.app import Server
 from llmgw.server.gateway.proxy import _estimate
 from llmgw.testing.admin import admin_headers
 from llmgw.testing.fake_engine import FakeEngine, chat_prompt_tokens
+from llmgw.testing.waiting import async_until
 
 
 def _port() -> int:
@@ -30,12 +31,15 @@ def _port() -> int:
 
 async def _server(tmp_path, engines: list[FakeEngine], **overrides) -> Server:
     cfg = {
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-        "auth": {"store": str(tmp_path / "gw.db"),
-                 "pricing": {"m": {"prompt_per_1k": 1.0, "completion_per_1k": 2.0}}},
+        "listen": f"127.0.0.1:{_port()}",
+        "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": None,
+        "auth": {"store": str(tmp_path / "gw.db"), "pricing": {"m": {"prompt_per_1k": 1.0, "completion_per_1k": 2.0}}},
         "router": {"scrape_interval": "100ms"},
-        "models": [{"name": "m", "endpoints": [{"url": e.url, "engine": "llamacpp"} for e in engines]},
-                   {"name": "free", "endpoints": [{"url": e.url, "engine": "llamacpp", "model": "m"} for e in engines]}],
+        "models": [
+            {"name": "m", "endpoints": [{"url": e.url, "engine": "llamacpp"} for e in engines]},
+            {"name": "free", "endpoints": [{"url": e.url, "engine": "llamacpp", "model": "m"} for e in engines]},
+        ],
     }
     for k, v in overrides.items():
         cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
@@ -64,8 +68,12 @@ def _client(server: Server, secret: str) -> httpx.AsyncClient:
     # All 500 are sent at once; at most 100 connections keep the listen backlog (128) from
     # overflowing on a small machine, which resets connections instead of answering.
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.config.listen.port}", timeout=60, limits=limits,
-                             headers={"Authorization": f"Bearer {secret}"})
+    return httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{server.config.listen.port}",
+        timeout=60,
+        limits=limits,
+        headers={"Authorization": f"Bearer {secret}"},
+    )
 
 
 def _chat(model: str = "m") -> dict:
@@ -155,7 +163,7 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
         await server.keys.load()
         # The engine reports a long queue: the pool is saturated, requests wait and time out.
         engines[0].waiting = 50
-        await asyncio.sleep(0.4)  # a scrape sees it
+        await async_until(lambda: server.gateway.admission.saturation("m") >= 1.0, what="a scrape to see the queue")
         async with _client(server, secret) as http:
             r = await http.post("/v1/chat/completions", json=_chat())
         assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
@@ -175,7 +183,7 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
         assert 'llmgw_admission_rejected_total{band="high"} 0.0' in metrics
         assert 'llmgw_pool_saturation{model="m"}' in metrics
         engines[0].waiting = 0
-        await asyncio.sleep(0.4)
+        await async_until(lambda: server.gateway.admission.saturation("m") < 1.0, what="a scrape to see the queue gone")
         async with _client(server, secret) as http:
             assert (await http.post("/v1/chat/completions", json=_chat())).status_code == 200
     finally:
@@ -219,9 +227,10 @@ async def test_a_burst_on_a_small_budget_overspends_at_most_one_estimate(fleet):
     async with _client(server, issued.secret) as http:
         for _ in range(10):
             # Everything at once: without a hold on the budget, all 300 would be served.
-            replies = await asyncio.gather(*(http.post("/v1/chat/completions", content=raw, headers=headers)
-                                             for _ in range(300)))
-            codes += [r.status_code == 200 and "ok" or r.json()["error"]["code"] for r in replies]
+            replies = await asyncio.gather(
+                *(http.post("/v1/chat/completions", content=raw, headers=headers) for _ in range(300))
+            )
+            codes += [(r.status_code == 200 and "ok") or r.json()["error"]["code"] for r in replies]
             if "budget_spent" in codes:
                 break
         held = next(r for r in replies if r.status_code == 429)
@@ -278,12 +287,11 @@ async def test_50_streams_cut_at_99_percent_are_charged_what_the_engine_generate
                     async for _ in r.aiter_raw():
                         pass
 
-    rows = await _rows(server)
-    for _ in range(200):  # a cut stream is recorded as soon as the gateway sees its client gone
-        if len(rows) >= 54:
-            break
-        await asyncio.sleep(0.05)
+    async def all_rows():  # a cut stream is recorded as soon as the gateway sees its client gone
         rows = await _rows(server)
+        return rows if len(rows) >= 54 else None
+
+    rows = await async_until(all_rows, 10, "the usage rows of the 50 cut and 4 died streams")
     cut_rows = [r for r in rows if r.status == 499]
     died = [r for r in rows if r.status == 502]
     assert len(cut_rows) == 50 and len(died) == 4

@@ -15,7 +15,7 @@ import pytest
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
 from llmgw.server.gateway.limits import duration
-from llmgw.server.gateway.proxy import _BadField, _output_limit
+from llmgw.server.gateway.request import _BadField, _output_limit
 from llmgw.testing.fake_engine import FakeEngine
 
 
@@ -29,11 +29,18 @@ def _port() -> int:
 async def gw(tmp_path):
     engine = await FakeEngine(tokens=5).start()  # answers as "fake-model", whatever it was asked
     cfg = {
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "listen": f"127.0.0.1:{_port()}",
+        "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": None,
         "auth": {"store": str(tmp_path / "gw.db")},
         "models": [
-            {"name": "capped", "aliases": ["team/short"], "max_output": 200, "description": "capped",
-             "endpoints": [{"url": engine.url, "engine": "llamacpp"}]},
+            {
+                "name": "capped",
+                "aliases": ["team/short"],
+                "max_output": 200,
+                "description": "capped",
+                "endpoints": [{"url": engine.url, "engine": "llamacpp"}],
+            },
             {"name": "open", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]},
         ],
     }
@@ -41,8 +48,11 @@ async def gw(tmp_path):
     await server.start()
     secret, record = await server.store.create_key("t", project="proj")
     await server.keys.load()
-    http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.config.listen.port}", timeout=30,
-                             headers={"Authorization": f"Bearer {secret}"})
+    http = httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{server.config.listen.port}",
+        timeout=30,
+        headers={"Authorization": f"Bearer {secret}"},
+    )
     yield server, engine, (secret, record.id), http
     await http.aclose()
     await server.stop()
@@ -58,8 +68,9 @@ def _chat(model: str = "capped", **extra) -> dict:
 
 async def test_models_retrieve_by_name_and_alias_and_404_for_unknown(gw):
     server, _, (secret, _), _ = gw
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.config.listen.port}/v1",
-                                api_key=secret, max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.config.listen.port}/v1", api_key=secret, max_retries=0
+    )
     m = await client.models.retrieve("capped")
     assert (m.id, m.object, m.owned_by) == ("capped", "model", "llmgw")
     assert m.model_extra["max_output"] == 200
@@ -90,11 +101,17 @@ def test_output_limit_reads_whole_numbers(value, read):
             assert body[field] == read and type(body[field]) is int  # sent on as the gateway read it
 
 
-@pytest.mark.parametrize("value, says", [
-    (200.5, "whole number of tokens, not 200.5"), (-1, "is -1; give a number of tokens of 0 or more"),
-    ("200", 'whole number of tokens, not "200"'), (True, "whole number of tokens, not true"),
-    ([5], "whole number of tokens, not [5]"), ({"n": 1}, "whole number of tokens"),
-])
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (200.5, "whole number of tokens, not 200.5"),
+        (-1, "is -1; give a number of tokens of 0 or more"),
+        ("200", 'whole number of tokens, not "200"'),
+        (True, "whole number of tokens, not true"),
+        ([5], "whole number of tokens, not [5]"),
+        ({"n": 1}, "whole number of tokens"),
+    ],
+)
 def test_output_limit_refuses_what_it_cannot_read_with_or_without_a_cap(value, says):
     for cap in (None, 500):
         for field in ("max_tokens", "max_completion_tokens", "n_predict"):
@@ -177,11 +194,16 @@ async def test_model_field_is_the_name_asked_for_whole_and_streamed(gw):
         assert r.json()["model"] == asked
         r = await http.post("/v1/embeddings", json={"model": asked, "input": ["a", "b"]})
         async with httpx.AsyncClient() as plain:
-            direct = (await plain.post(engine.url + "/v1/embeddings", json={"model": "capped", "input": ["a", "b"]})).content
+            direct = (
+                await plain.post(engine.url + "/v1/embeddings", json={"model": "capped", "input": ["a", "b"]})
+            ).content
         assert r.json()["model"] == asked  # the floats as the engine wrote them: only the name replaced
         assert r.content == direct.replace(b'"model":"fake-model"', b'"model":' + orjson.dumps(asked))
-        body = (await http.post("/v1/chat/completions", json=_chat(asked, stream=True,
-                                                                  stream_options={"include_usage": True}))).content
+        body = (
+            await http.post(
+                "/v1/chat/completions", json=_chat(asked, stream=True, stream_options={"include_usage": True})
+            )
+        ).content
         events = [orjson.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
         assert len(events) == 8 and {e["model"] for e in events} == {asked}  # the usage event too
         assert events[-1]["usage"]["completion_tokens"] == 5
@@ -207,7 +229,19 @@ async def test_model_rename_touches_only_the_model_field(gw):
 
 def test_duration_is_written_as_openai_does():
     assert [duration(s) for s in (0, 0.0004, 0.02, 0.999, 1, 1.5, 8.64, 59.9991, 60, 61.25, 360, 3600)] == [
-        "0s", "1ms", "20ms", "999ms", "1s", "1.5s", "8.64s", "1m0s", "1m0s", "1m1.25s", "6m0s", "1h0m0s"]
+        "0s",
+        "1ms",
+        "20ms",
+        "999ms",
+        "1s",
+        "1.5s",
+        "8.64s",
+        "1m0s",
+        "1m0s",
+        "1m1.25s",
+        "6m0s",
+        "1h0m0s",
+    ]
 
 
 _DURATION = re.compile(r"^(\d+m)?(\d+(\.\d{1,3})?s|\d+ms)$")

@@ -13,23 +13,32 @@ from llmgw.httpserve import SERVER, Runner, begin_drain, drain
 from llmgw.server.gateway.errors import error_body
 from llmgw.testing.rawhttp import exchange_async as exchange
 from llmgw.testing.rawhttp import parse_response as split
+from llmgw.testing.waiting import async_until
 
 KEY = "llmgw-SECRETsecretSECRETsecretSECRETsecret12"
 
 # Requests aiohttp's parser refuses, and the code each is answered with.
 BAD = {
     "huge header": (b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", "header_too_large"),
-    "huge key header": (b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"a" * 9000
-                        + b"\r\n\r\n", "header_too_large"),
+    "huge key header": (
+        b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"a" * 9000 + b"\r\n\r\n",
+        "header_too_large",
+    ),
     "huge request line": (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "header_too_large"),
-    "too many headers": (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200))
-                         + b"\r\n", "too_many_headers"),
+    "too many headers": (
+        b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
+        "too_many_headers",
+    ),
     "bad request line": (b"GARBAGE\r\n\r\n", "bad_request_line"),
     "bad method": (b"G@T / HTTP/1.1\r\nHost: x\r\n\r\n", "bad_request_line"),
-    "NUL after a key": (b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\x00zz\r\n\r\n",
-                        "bad_header"),
-    "control byte after a key": (b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                                 + b"\x01\r\n\r\n", "bad_header"),
+    "NUL after a key": (
+        b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\x00zz\r\n\r\n",
+        "bad_header",
+    ),
+    "control byte after a key": (
+        b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\x01\r\n\r\n",
+        "bad_header",
+    ),
     "TLS on a plain port": (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03", "https_on_http_port"),
 }
 
@@ -83,7 +92,8 @@ class Listener:
 
 @pytest.mark.parametrize("name", list(BAD))
 async def test_a_request_the_parser_refuses_is_answered_in_the_error_shape_and_logged_as_one_line_without_its_bytes(
-        name, caplog):
+    name, caplog
+):
     data, code = BAD[name]
     caplog.set_level(logging.DEBUG)
     async with Listener() as lis:
@@ -116,8 +126,9 @@ async def test_a_scanners_first_bytes_are_logged_only_when_debugging(caplog):
 async def test_a_handler_that_raises_is_a_500_in_the_error_shape_logged_with_its_route_not_its_path(caplog):
     caplog.set_level(logging.INFO)
     async with Listener() as lis:
-        status, headers, body = split(await exchange(
-            lis.port, b"GET /boom/claim-token-123 HTTP/1.1\r\nHost: x\r\n\r\n"))
+        status, headers, body = split(
+            await exchange(lis.port, b"GET /boom/claim-token-123 HTTP/1.1\r\nHost: x\r\n\r\n")
+        )
     assert status == 500 and headers["server"] == SERVER
     assert orjson.loads(body)["error"]["code"] == "internal_error"
     (rec,) = [r for r in caplog.records if r.name == "llmgw.http"]
@@ -128,8 +139,9 @@ async def test_a_handler_that_raises_is_a_500_in_the_error_shape_logged_with_its
 async def test_no_response_names_python_or_aiohttp_in_its_server_header():
     async with Listener() as lis:
         for path in (b"/", b"/nowhere"):
-            _, headers, _ = split(await exchange(lis.port, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n"
-                                                      b"Connection: close\r\n\r\n"))
+            _, headers, _ = split(
+                await exchange(lis.port, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            )
             assert headers["server"] == SERVER, (path, headers)
             assert "aiohttp" not in str(headers).lower() and "python" not in str(headers).lower()
 
@@ -142,8 +154,7 @@ async def test_while_draining_a_response_says_connection_close_so_no_client_reus
         await writer.drain()
         await asyncio.wait_for(lis.slow_started.wait(), 5)
         stopping = asyncio.create_task(drain([lis.runner]))
-        while not lis.runner.draining:
-            await asyncio.sleep(0)
+        await async_until(lambda: lis.runner.draining, what="the drain to begin", interval=0)
         lis.release.set()
         raw = await asyncio.wait_for(reader.read(), 5)
         await stopping
@@ -174,12 +185,15 @@ async def test_a_websocket_opened_while_draining_keeps_its_upgrade():
             assert msg.type == WSMsgType.TEXT and msg.data == "hello"
 
 
-@pytest.mark.parametrize("data,code", [
-    (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGARBAGE", "data_after_close"),
-    (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "duplicate_header"),
-    (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "invalid_http"),
-    (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1" + b"\x00" + b"2\r\n\r\n", "invalid_http"),
-])
+@pytest.mark.parametrize(
+    "data,code",
+    [
+        (b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGARBAGE", "data_after_close"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "duplicate_header"),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "invalid_http"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 1" + b"\x00" + b"2\r\n\r\n", "invalid_http"),
+    ],
+)
 async def test_other_malformed_requests_are_refused_with_a_code_and_nothing_they_sent(data, code, caplog):
     caplog.set_level(logging.DEBUG)
     async with Listener() as lis:
@@ -194,8 +208,10 @@ async def test_other_malformed_requests_are_refused_with_a_code_and_nothing_they
 async def test_a_body_that_does_not_decode_is_a_400_not_a_500_with_a_traceback(caplog):
     caplog.set_level(logging.DEBUG)
     async with Listener() as lis:
-        raw = await exchange(lis.port, b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
-                             b"Content-Length: 12\r\n\r\nnot-gzip-at!")
+        raw = await exchange(
+            lis.port,
+            b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 12\r\n\r\nnot-gzip-at!",
+        )
     status, headers, body = split(raw)
     assert status == 400 and headers["server"] == SERVER
     assert orjson.loads(body)["error"]["code"] == "bad_body"

@@ -39,10 +39,22 @@ class Wall:
 NOON = datetime(2026, 9, 15, 12, 0, tzinfo=UTC)
 
 
-def principal(*pools: Pool, models: frozenset[str] | None = None, key: str = "k1", user: str | None = "u1",
-              project: str | None = "p1") -> Principal:
-    return Principal(key_id=key, key_prefix="llmgw-abc", project="Acme/x", project_id=project, user_id=user,
-                     pools=tuple(pools), models=models)
+def principal(
+    *pools: Pool,
+    models: frozenset[str] | None = None,
+    key: str = "k1",
+    user: str | None = "u1",
+    project: str | None = "p1",
+) -> Principal:
+    return Principal(
+        key_id=key,
+        key_prefix="llmgw-abc",
+        project="Acme/x",
+        project_id=project,
+        user_id=user,
+        pools=tuple(pools),
+        models=models,
+    )
 
 
 def accountant(pricing: Pricing | None = None, t: float = 1000.0, at: datetime = NOON):
@@ -87,14 +99,19 @@ def test_pricing_cost_and_priced():
 
 
 def test_pricing_from_config_and_negative_refused_with_path():
-    auth = AuthConfig.model_validate({
-        "pricing": {"llama": {"prompt_per_1k": 0.001, "completion_per_1k": 0.002}},
-        "default_price": {"prompt_per_1k": 0.01, "completion_per_1k": 0.01},
-        "default_rpm": 60, "default_tpm": 200000})
+    auth = AuthConfig.model_validate(
+        {
+            "pricing": {"llama": {"prompt_per_1k": 0.001, "completion_per_1k": 0.002}},
+            "default_price": {"prompt_per_1k": 0.01, "completion_per_1k": 0.01},
+            "default_rpm": 60,
+            "default_tpm": 200000,
+        }
+    )
     pr = Pricing.from_config(auth)
     assert pr.price("llama") == (1000, 2000) and pr.price("x") == (10_000, 10_000)
     assert to_micros(10) == 10_000_000 and to_micros(0.0000015) == 2
     from llmgw.config.loading import validate
+
     with pytest.raises(ConfigError) as e:
         validate(ServerConfig, {"auth": {"pricing": {"llama": {"prompt_per_1k": -1}}}}, "server.yaml", "listen")
     assert "auth.pricing.llama.prompt_per_1k" in str(e.value)
@@ -116,8 +133,9 @@ def test_budget_refuses_once_spent_with_message_and_retry_after():
         acc.check(p, "big", 10)
     err = e.value
     assert err.status == 429 and err.code == "budget_spent"
-    assert err.message == ("the budget of project p1 is spent for this month (1.00 of 1.00); "
-                           "it resets at 2026-10-01 00:00 UTC")
+    assert err.message == (
+        "the budget of project p1 is spent for this month (1.00 of 1.00); it resets at 2026-10-01 00:00 UTC"
+    )
     assert err.retry_after == (datetime(2026, 10, 1, tzinfo=UTC) - NOON).total_seconds()
     assert err.headers["retry-after"] == str(int(err.retry_after))
 
@@ -141,10 +159,14 @@ def test_budget_refusal_charges_nothing():
     with pytest.raises(LimitError) as e:
         acc.check(p, "big", 100)
     assert e.value.code == "budget_spent"
-    assert acc.headers(p) == {"x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "5",
-                              "x-ratelimit-reset-requests": "0s",
-                              "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "1000",
-                              "x-ratelimit-reset-tokens": "0s"}
+    assert acc.headers(p) == {
+        "x-ratelimit-limit-requests": "5",
+        "x-ratelimit-remaining-requests": "5",
+        "x-ratelimit-reset-requests": "0s",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "1000",
+        "x-ratelimit-reset-tokens": "0s",
+    }
 
 
 def test_zero_priced_model_is_exempt_from_budgets():
@@ -242,8 +264,10 @@ def test_budget_holds_the_estimated_cost_of_requests_in_progress():
         acc.check(p, "big", 1)
     err = e.value
     assert err.status == 429 and err.code == "budget_held" and err.retry_after == 1.0
-    assert err.message == ("the budget of project p1 for this day is taken up by requests in progress "
-                           "(0.00 spent and up to 1.00 held of 1.00); retry in 1 s, when some have finished")
+    assert err.message == (
+        "the budget of project p1 for this day is taken up by requests in progress "
+        "(0.00 spent and up to 1.00 held of 1.00); retry in 1 s, when some have finished"
+    )
     assert err.headers["retry-after"] == "1" and err.headers["x-ratelimit-remaining-requests"] == "98"
     assert acc.held("project:p1") == 1_000_000  # the refusal held nothing
     assert acc.settle(r1, 50, 50) == 150_000  # the hold gives way to the real cost
@@ -292,13 +316,15 @@ def test_a_rate_refusal_or_a_free_model_holds_nothing():
 def test_concurrent_settle_sums_equal_recorded_costs():
     acc, _, _ = accountant(Pricing({"big": (0.3, 0.7)}))
     shared = Pool("project:p1", budget_micros=to_micros(1e6))
-    principals = [principal(Pool(f"key:k{i}", budget_micros=to_micros(1e6)), shared, key=f"k{i}",
-                            user=f"u{i % 3}") for i in range(5)]
+    principals = [
+        principal(Pool(f"key:k{i}", budget_micros=to_micros(1e6)), shared, key=f"k{i}", user=f"u{i % 3}")
+        for i in range(5)
+    ]
     recorded: dict[str, int] = {}
 
     async def one(p: Principal) -> None:
         r = acc.check(p, "big", 50)
-        await asyncio.sleep(random.random() / 1000)
+        await asyncio.sleep(random.random() / 1000)  # random interleaving is the point of the test
         cost = acc.settle(r, random.randint(0, 3000), random.randint(0, 3000))
         for pool in p.pools:
             recorded[pool.key] = recorded.get(pool.key, 0) + cost
@@ -333,7 +359,7 @@ def test_exactly_100_of_500_with_gather():
     p = principal(Pool("key:k1", rpm=100), Pool("project:p1", rpm=1000))
 
     async def one() -> bool:
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # a yield, so the 500 checks interleave
         try:
             acc.check(p, "m", 1)
             return True
@@ -415,14 +441,19 @@ def test_later_tpm_refusal_refunds_requests_and_earlier_tokens():
         acc.check(p, "m", 200)
     err = e.value
     assert err.code == "tokens_limited" and err.status == 429
-    assert err.message == ("the token rate of project p1 is at its limit of 1000 a minute "
-                           "(this request needs about 200); retry in 60 s")
+    assert err.message == (
+        "the token rate of project p1 is at its limit of 1000 a minute (this request needs about 200); retry in 60 s"
+    )
     assert err.retry_after == pytest.approx(60.0)  # when the 900 leave the window
     key_only = principal(Pool("key:k1", rpm=10, tpm=10_000), key="kx")
-    assert acc.headers(key_only) == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "9",
-                                     "x-ratelimit-reset-requests": "1m0s",
-                                     "x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "9100",
-                                     "x-ratelimit-reset-tokens": "1m0s"}
+    assert acc.headers(key_only) == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-reset-requests": "1m0s",
+        "x-ratelimit-limit-tokens": "10000",
+        "x-ratelimit-remaining-tokens": "9100",
+        "x-ratelimit-reset-tokens": "1m0s",
+    }
     assert err.headers["x-ratelimit-remaining-tokens"] == "100"
     assert err.headers["x-ratelimit-limit-tokens"] == "1000"
 
@@ -503,8 +534,11 @@ def test_headers_describe_the_fullest_pool_and_omit_unlimited_kinds():
     p = principal(Pool("key:k1", rpm=100), Pool("project:p1", rpm=10), Pool("org:o1", rpm=1000))
     for _ in range(5):
         acc.check(p, "m", 1)
-    assert acc.headers(p) == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "5",
-                              "x-ratelimit-reset-requests": "1m0s"}
+    assert acc.headers(p) == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "5",
+        "x-ratelimit-reset-requests": "1m0s",
+    }
     assert acc.headers(principal()) == {}
     st = acc.status(p)
     assert st.requests_pool == "project:p1" and st.tokens_limit is None
@@ -512,8 +546,9 @@ def test_headers_describe_the_fullest_pool_and_omit_unlimited_kinds():
 
 def test_status_reports_the_most_spent_budget():
     acc, _, _ = accountant()
-    p = principal(Pool("key:k1", budget_micros=to_micros(100)), Pool("project:p1", budget_micros=to_micros(2),
-                                                                          period="day"))
+    p = principal(
+        Pool("key:k1", budget_micros=to_micros(100)), Pool("project:p1", budget_micros=to_micros(2), period="day")
+    )
     acc.settle(acc.check(p, "big", 1), 1000, 0)
     st = acc.status(p)
     assert (st.budget_pool, st.spent_micros, st.budget_micros, st.period) == ("project:p1", 1_000_000, 2_000_000, "day")
@@ -528,13 +563,15 @@ def test_restore_folds_rows_into_every_pool_for_month_and_day():
     today = NOON - timedelta(hours=2)
     earlier = datetime(2026, 9, 2, tzinfo=UTC)
     last_month = datetime(2026, 8, 31, 23, 59, tzinfo=UTC)
-    acc.restore([
-        ("k1", "u1", "p1", "t1", "o1", 100, today),
-        ("k1", "u1", "p1", "t1", "o1", 1000, earlier),
-        ("k2", None, "p1", "t1", "o1", 10_000, today.replace(tzinfo=None)),  # naive: read as UTC
-        ("k3", "u1", None, None, None, 7, earlier),  # a personal key
-        ("k1", "u1", "p1", "t1", "o1", 99_999_999, last_month),
-    ])
+    acc.restore(
+        [
+            ("k1", "u1", "p1", "t1", "o1", 100, today),
+            ("k1", "u1", "p1", "t1", "o1", 1000, earlier),
+            ("k2", None, "p1", "t1", "o1", 10_000, today.replace(tzinfo=None)),  # naive: read as UTC
+            ("k3", "u1", None, None, None, 7, earlier),  # a personal key
+            ("k1", "u1", "p1", "t1", "o1", 99_999_999, last_month),
+        ]
+    )
     assert acc.spent("key:k1") == 1100 and acc.spent("key:k1", "day") == 100
     assert acc.spent("user:u1") == 1107 and acc.spent("user:u1", "day") == 100
     assert acc.spent("project:p1") == 11_100 and acc.spent("project:p1", "day") == 10_100

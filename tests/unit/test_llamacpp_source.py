@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.provision import llamacpp_source as ls
+from llmgw.agent.provision.status import ProvisionError
 
 ROOT = "llama_cpp_python-0.3.36"
-FAKE_CMAKE = r'''#!/usr/bin/env python3
+FAKE_CMAKE = r"""#!/usr/bin/env python3
 # Stands in for cmake: records its argv, "configures" and "builds" a fake llama-server.
 import os, sys
 args = sys.argv[1:]
@@ -36,7 +37,7 @@ if "--build" in args:
 else:
     os.makedirs(args[args.index("-B") + 1], exist_ok=True)
     print("-- Configuring done")
-'''
+"""
 
 
 def _add(tf: tarfile.TarFile, name: str, data: bytes = b"x", **attrs) -> None:
@@ -109,7 +110,7 @@ def test_cache_dir_default(monkeypatch, tmp_path):
     assert ls.cache_dir() == tmp_path / ".cache" / "llmgw"
 
 
-def test_pinned_constants():
+def test_the_llamacpp_sdist_is_pinned_by_version_and_sha256_and_built_static():
     assert ls.LLAMA_CPP_PYTHON_VERSION == "0.3.36"
     assert ls.SDIST_SHA256 == "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
     assert "-DBUILD_SHARED_LIBS=OFF" in ls.CMAKE_FLAGS
@@ -142,7 +143,7 @@ def test_vocab_filename_rejects_paths():
 def test_verify_sdist_mismatch_is_clear(tmp_path):
     p = tmp_path / "x.tar.gz"
     p.write_bytes(b"not the sdist")
-    with pytest.raises(ls.ProvisionError, match="expected 832db069.*refusing"):
+    with pytest.raises(ProvisionError, match="expected 832db069.*refusing"):
         ls.verify_sdist(p)
 
 
@@ -180,7 +181,7 @@ def test_safe_extract_refuses_escapes(tmp_path, member):
     p = tmp_path / "evil.tar.gz"
     make_sdist(p, extra=[member])
     out = tmp_path / "out"
-    with pytest.raises(ls.ProvisionError, match="refusing to extract"):
+    with pytest.raises(ProvisionError, match="refusing to extract"):
         ls.safe_extract(p, out)
     # Checked before writing: nothing at all was extracted.
     assert not any(out.rglob("*"))
@@ -224,7 +225,7 @@ def test_missing_toolchain_says_what_to_install(tmp_path, cache, monkeypatch, sd
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.delenv("CXX", raising=False)
-    with pytest.raises(ls.ProvisionError, match=r"needs cmake.*apt-get install cmake g\+\+"):
+    with pytest.raises(ProvisionError, match=r"needs cmake.*apt-get install cmake g\+\+"):
         ls.build_llama_server(sdist=sdist)
 
 
@@ -269,7 +270,7 @@ def test_build_with_fake_cmake(cache, sdist, fake_tools):
 
 def test_build_failure_leaves_no_binary(cache, sdist, fake_tools, monkeypatch):
     monkeypatch.setenv("FAKE_CMAKE_FAIL", "1")
-    with pytest.raises(ls.ProvisionError, match="the compiler exploded"):
+    with pytest.raises(ProvisionError, match="the compiler exploded"):
         ls.build_llama_server(sdist=sdist)
     assert not ls.cached_binary_path().exists()
     assert (ls.install_dir() / "build.log").is_file()
@@ -278,7 +279,7 @@ def test_build_failure_leaves_no_binary(cache, sdist, fake_tools, monkeypatch):
 def test_build_refuses_bad_sdist(cache, tmp_path, fake_tools):
     bad = tmp_path / ls.SDIST_FILENAME
     make_sdist(bad)  # SDIST_SHA256 left at the real pin: mismatch
-    with pytest.raises(ls.ProvisionError, match="sha256"):
+    with pytest.raises(ProvisionError, match="sha256"):
         ls.build_llama_server(sdist=bad)
     assert not fake_tools.exists()  # cmake never ran
 
@@ -293,7 +294,7 @@ def test_vocab_path_extracts_only_vocab(cache, sdist):
 
 
 def test_vocab_path_unknown(cache, sdist):
-    with pytest.raises(ls.ProvisionError, match="ggml-vocab-nope.gguf"):
+    with pytest.raises(ProvisionError, match="ggml-vocab-nope.gguf"):
         ls.vocab_path("nope", sdist=sdist)
 
 

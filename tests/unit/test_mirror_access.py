@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from test_mirror_serve_fake import FakeManager
 
 from llmgw.mirror.api import ApiAccess, api_app, check_token_place, default_token_file, ensure_token
 from llmgw.mirror.layout import MirrorError
 from llmgw.mirror.serve import parse_allow
-from test_mirror_serve_fake import FakeManager
 
 TOKEN = "llmgw-mirror-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -62,8 +62,9 @@ async def test_a_wrong_token_is_refused_and_the_right_one_opens_every_route(api)
     client, _, app = api
     for method, path in management_routes(app):
         for header in ("Bearer nope", f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer é"):
-            r = await client.request(method, path, headers={"Authorization": header},
-                                     json={} if method == "POST" else None)
+            r = await client.request(
+                method, path, headers={"Authorization": header}, json={} if method == "POST" else None
+            )
             assert r.status == (200 if path == "/v1/health" else 401), (method, path, header)
         r = await client.request(method, path, headers=AUTH, json=FETCH if method == "POST" else None)
         assert r.status not in (401, 403, 415, 421), (method, path, r.status)
@@ -75,12 +76,14 @@ async def test_a_cross_origin_text_plain_post_is_refused_and_nothing_is_fetched(
 
     body = orjson.dumps(FETCH)
     # What a web page can send without a CORS preflight, even carrying the token.
-    for headers, status in (({"Origin": "http://evil.example", "Content-Type": "text/plain"}, 403),
-                            ({"Origin": "null", "Content-Type": "application/json"}, 403),
-                            ({"Sec-Fetch-Site": "cross-site", "Content-Type": "application/json"}, 403),
-                            ({"Content-Type": "text/plain"}, 415),
-                            ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
-                            ({"Origin": "http://[::1", "Content-Type": "application/json"}, 403)):
+    for headers, status in (
+        ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, 403),
+        ({"Origin": "null", "Content-Type": "application/json"}, 403),
+        ({"Sec-Fetch-Site": "cross-site", "Content-Type": "application/json"}, 403),
+        ({"Content-Type": "text/plain"}, 415),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+        ({"Origin": "http://[::1", "Content-Type": "application/json"}, 403),
+    ):
         r = await client.post("/v1/models", data=body, headers={**AUTH, **headers})
         assert r.status == status, (headers, r.status, await r.text())
     r = await client.delete("/v1/models/qwen/v0", headers={**AUTH, "Origin": "http://evil.example"})

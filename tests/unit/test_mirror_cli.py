@@ -15,11 +15,11 @@ import time
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from test_mirror_serve_fake import FakeManager
 from typer.testing import CliRunner
 
 import llmgw.cli.mirror as mirror_cli
 from llmgw.cli.main import app
-from test_mirror_serve_fake import FakeManager
 
 runner = CliRunner()
 
@@ -47,7 +47,9 @@ def catalog():
             st = server.status
             if server.token and self.headers.get("Authorization") != f"Bearer {server.token}":
                 st = 401
-            body = json.dumps({"models": [{"name": f"m{i}", "source": s} for i, s in enumerate(server.sources)]}).encode()
+            body = json.dumps(
+                {"models": [{"name": f"m{i}", "source": s} for i, s in enumerate(server.sources)]}
+            ).encode()
             self.send_response(st)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -75,7 +77,7 @@ def free_port() -> int:
 # ---------------------------------------------------------------- list
 
 
-def test_list_empty(fake):
+def test_mirror_list_of_an_empty_mirror_says_it_is_empty(fake):
     root, _ = fake
     r = run("--dir", str(root), "list")
     assert r.exit_code == 0 and r.output == f"The mirror at {root} is empty.\n"
@@ -99,8 +101,18 @@ def test_add_prints_the_layout_checksum_and_source(fake):
     root, mgr = fake
     mgr.auto_finish = True
     mgr.payloads["https://h/x/q.gguf?download=true"] = b"weights"
-    r = run("--dir", str(root), "add", "https://h/x/q.gguf?download=true", "--model", "qwen", "--version", "2024-01-01",
-            "--base", "http://mirror.internal:8081")
+    r = run(
+        "--dir",
+        str(root),
+        "add",
+        "https://h/x/q.gguf?download=true",
+        "--model",
+        "qwen",
+        "--version",
+        "2024-01-01",
+        "--base",
+        "http://mirror.internal:8081",
+    )
     assert r.exit_code == 0, r.output
     assert r.output.splitlines() == [
         "fetching https://h/x/q.gguf?download=true",
@@ -116,7 +128,9 @@ def test_add_prints_the_layout_checksum_and_source(fake):
 def test_add_as_anyway_and_fetch_alias(fake):
     root, mgr = fake
     mgr.auto_finish = True
-    r = run("--dir", str(root), "fetch", "https://h/a.gguf", "--model", "m", "--version", "v", "--as", "b.gguf", "--anyway")
+    r = run(
+        "--dir", str(root), "fetch", "https://h/a.gguf", "--model", "m", "--version", "v", "--as", "b.gguf", "--anyway"
+    )
     assert r.exit_code == 0 and "source: http://" in r.output and r.output.rstrip().endswith("/m/v/b.gguf")
     assert mgr.fetched == [("https://h/a.gguf", "m", "v", "b.gguf", True)]
 
@@ -140,6 +154,7 @@ def test_add_with_the_real_fetcher_from_a_local_server(tmp_path):
     site.mkdir()
     payload = os.urandom(300_000)
     (site / "tok.bin").write_bytes(payload)
+
     class Quiet(SimpleHTTPRequestHandler):
         def __init__(self, *a, **k):
             super().__init__(*a, directory=str(site), **k)
@@ -157,8 +172,19 @@ def test_add_with_the_real_fetcher_from_a_local_server(tmp_path):
         r = run("--dir", str(root), "add", url, "--model", "tok", "--version", "v1")
         assert r.exit_code == 1 and "is a loopback address" in r.output and "--allow-local-sources" in r.output
         assert not (root / "tok").exists()
-        r = run("--dir", str(root), "add", url, "--model", "tok", "--version", "v1", "--base", "http://m:8081",
-                "--allow-local-sources")
+        r = run(
+            "--dir",
+            str(root),
+            "add",
+            url,
+            "--model",
+            "tok",
+            "--version",
+            "v1",
+            "--base",
+            "http://m:8081",
+            "--allow-local-sources",
+        )
         assert r.exit_code == 0, r.output
         assert f"  sha256 {hashlib.sha256(payload).hexdigest()}" in r.output
         assert "  source: http://m:8081/tok/v1/tok.bin" in r.output
@@ -203,15 +229,16 @@ def test_unused_reads_the_catalog_with_an_admin_token_and_says_how_to_give_one(f
     mgr.put("qwen", "v1", "q.gguf", b"1")
     catalog.token = "llmgw-admin-t"
     monkeypatch.delenv("LLMGW_ADMIN_TOKEN", raising=False)
-    monkeypatch.setattr("llmgw.cli.admin_client._candidate_files", lambda: [])
+    monkeypatch.setattr("llmgw.cli.admin_client._candidate_files", list)
     r = run("--dir", str(root), "unused", "--server", catalog.addr)
     assert r.exit_code == 1 and "needs an admin token; pass --token-file or set LLMGW_ADMIN_TOKEN" in r.output
     write_secret_file(tmp_path / "admin-token", catalog.token)
     r = run("--dir", str(root), "unused", "--server", catalog.addr, "--token-file", str(tmp_path / "admin-token"))
     assert r.exit_code == 0 and "1 B in 1 files that no model refers to." in r.output, r.output
     monkeypatch.setenv("LLMGW_ADMIN_TOKEN", catalog.token)
-    r = run("--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf",
-            "--server", catalog.addr)
+    r = run(
+        "--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf", "--server", catalog.addr
+    )
     assert r.exit_code == 0 and catalog.auth[-1] == f"Bearer {catalog.token}"
 
 
@@ -235,7 +262,9 @@ def test_remove_refuses_when_in_use(fake, catalog):
     root, mgr = fake
     mgr.put("qwen", "v1", "q.gguf", b"1")
     catalog.sources = ["http://mirror:8081/qwen/v1/"]
-    r = run("--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf", "--server", catalog.addr)
+    r = run(
+        "--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf", "--server", catalog.addr
+    )
     assert r.exit_code == 1 and "a model still refers to qwen/v1/q.gguf; retire the catalog entry first" in r.output
     assert (root / "qwen" / "v1" / "q.gguf").exists()
 
@@ -243,8 +272,19 @@ def test_remove_refuses_when_in_use(fake, catalog):
 def test_remove_refuses_without_the_catalog_unless_forced(fake):
     root, mgr = fake
     mgr.put("qwen", "v1", "q.gguf", b"1")
-    args = ["--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf",
-            "--server", f"127.0.0.1:{free_port()}"]
+    args = [
+        "--dir",
+        str(root),
+        "remove",
+        "--model",
+        "qwen",
+        "--version",
+        "v1",
+        "--file",
+        "q.gguf",
+        "--server",
+        f"127.0.0.1:{free_port()}",
+    ]
     r = run(*args)
     assert r.exit_code == 1 and "cannot read the catalog to check whether this is still in use: " in r.output
     assert "  Pass --force to remove it anyway" in r.output
@@ -257,7 +297,9 @@ def test_remove_when_unused(fake, catalog):
     root, mgr = fake
     mgr.put("qwen", "v1", "q.gguf", b"1")
     catalog.sources = ["http://mirror:8081/qwen/v2/q.gguf"]
-    r = run("--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf", "--server", catalog.addr)
+    r = run(
+        "--dir", str(root), "remove", "--model", "qwen", "--version", "v1", "--file", "q.gguf", "--server", catalog.addr
+    )
     assert r.exit_code == 0 and r.output == "removed qwen/v1/q.gguf\n"
 
 
@@ -291,8 +333,17 @@ def test_init_writes_the_unit_and_is_idempotent(tmp_path, monkeypatch):
     system = FakeSystem()
     monkeypatch.setattr(mirror_cli, "_runner", system)
     d, unit = tmp_path / "srv" / "models", tmp_path / "etc" / "llmgw-mirror.service"
-    args = ["--dir", str(d), "init", "--control-plane", "10.0.0.5:7443", "--unit-path", str(unit),
-            "--base", "http://models.internal:8081"]
+    args = [
+        "--dir",
+        str(d),
+        "init",
+        "--control-plane",
+        "10.0.0.5:7443",
+        "--unit-path",
+        str(unit),
+        "--base",
+        "http://models.internal:8081",
+    ]
     r = run(*args)
     assert r.exit_code == 0, r.output
     assert "created the system user llmgw" in r.output and f"created {d}, owned by llmgw" in r.output
@@ -305,17 +356,41 @@ def test_init_writes_the_unit_and_is_idempotent(tmp_path, monkeypatch):
     assert f"needs the token in {token_file}" in r.output
     assert "  mirror:\n    api: http://models.internal:8082\n    token_file: /etc/llmgw/mirror-token" in r.output
     text = unit.read_text()
-    for line in ("User=llmgw", "Group=llmgw", "NoNewPrivileges=true", "ProtectSystem=strict", "ProtectHome=true",
-                 "PrivateTmp=true", f"ReadWritePaths={d}", "WantedBy=multi-user.target"):
+    for line in (
+        "User=llmgw",
+        "Group=llmgw",
+        "NoNewPrivileges=true",
+        "ProtectSystem=strict",
+        "ProtectHome=true",
+        "PrivateTmp=true",
+        f"ReadWritePaths={d}",
+        "WantedBy=multi-user.target",
+    ):
         assert line in text.splitlines(), line
     exec_start = text.split("ExecStart=", 1)[1].split("\nUser=", 1)[0].replace("\\\n", " ").split()
-    assert exec_start == ["/usr/local/bin/llmgw", "mirror", "serve", "--dir", str(d), "--listen", ":8081",
-                          "--api-listen", ":8082", "--base", "http://models.internal:8081",
-                          "--api-token-file", str(token_file), "--api-allow", "10.0.0.5"]
+    assert exec_start == [
+        "/usr/local/bin/llmgw",
+        "mirror",
+        "serve",
+        "--dir",
+        str(d),
+        "--listen",
+        ":8081",
+        "--api-listen",
+        ":8082",
+        "--base",
+        "http://models.internal:8081",
+        "--api-token-file",
+        str(token_file),
+        "--api-allow",
+        "10.0.0.5",
+    ]
     assert d.is_dir()
     assert ["chown", "llmgw:llmgw", str(d)] in system.calls
     assert ["systemctl", "daemon-reload"] in system.calls
-    assert system.calls[0] == ["id", "-u", "llmgw"] and system.calls[1][0] == "useradd" and "--system" in system.calls[1]
+    assert (
+        system.calls[0] == ["id", "-u", "llmgw"] and system.calls[1][0] == "useradd" and "--system" in system.calls[1]
+    )
 
     system.calls.clear()
     token = token_file.read_text()
@@ -363,8 +438,12 @@ def test_serve_refuses_what_is_not_a_directory(tmp_path):
 
 
 def _start_serve(*args):
-    return subprocess.Popen([sys.executable, "-m", "llmgw.cli.main", "mirror", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmgw.cli.main", "mirror", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _lines(proc, n, timeout=20.0):
@@ -386,24 +465,38 @@ def test_serve_makes_its_token_says_who_may_call_and_serves_only_with_the_token(
     (root / "qwen" / "v1" / "q.gguf").write_bytes(b"abc")
     token_file = tmp_path / "models.api-token"
     p1, p2 = free_port(), free_port()
-    proc = _start_serve("--dir", str(root), "serve", "--listen", f"127.0.0.1:{p1}", "--api-listen", f"127.0.0.1:{p2}",
-                        "--base", "http://mirror:8081", "--api-allow", "10.0.0.5,10.1.0.0/16")
+    proc = _start_serve(
+        "--dir",
+        str(root),
+        "serve",
+        "--listen",
+        f"127.0.0.1:{p1}",
+        "--api-listen",
+        f"127.0.0.1:{p2}",
+        "--base",
+        "http://mirror:8081",
+        "--api-allow",
+        "10.0.0.5,10.1.0.0/16",
+    )
     try:
         lines = _lines(proc, 4)
-        assert lines == [f"made the management API token {token_file} (mode 0600); the control plane needs a copy, "
-                         "named by mirror.token_file in server.yaml",
-                         f"serving {root} on 127.0.0.1:{p1}",
-                         f"management API on 127.0.0.1:{p2}, for 10.0.0.5, 10.1.0.0/16 and this machine only; "
-                         f"credential: the token in {token_file}",
-                         "catalog sources should point at http://mirror:8081"], lines
+        assert lines == [
+            f"made the management API token {token_file} (mode 0600); the control plane needs a copy, "
+            "named by mirror.token_file in server.yaml",
+            f"serving {root} on 127.0.0.1:{p1}",
+            f"management API on 127.0.0.1:{p2}, for 10.0.0.5, 10.1.0.0/16 and this machine only; "
+            f"credential: the token in {token_file}",
+            "catalog sources should point at http://mirror:8081",
+        ], lines
         assert (token_file.stat().st_mode & 0o777) == 0o600
         with urllib.request.urlopen(f"http://127.0.0.1:{p1}/qwen/v1/q.gguf") as r:
             assert r.read() == b"abc"
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"http://127.0.0.1:{p2}/v1/models")
         assert refused.value.code == 401 and str(token_file) in refused.value.read().decode()
-        ask = urllib.request.Request(f"http://127.0.0.1:{p2}/v1/models",
-                                     headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
+        ask = urllib.request.Request(
+            f"http://127.0.0.1:{p2}/v1/models", headers={"Authorization": f"Bearer {token_file.read_text().strip()}"}
+        )
         with urllib.request.urlopen(ask) as r:
             assert json.loads(r.read())["models"][0]["model"] == "qwen"
     finally:
@@ -417,15 +510,33 @@ def test_serve_from_any_address_says_so_and_a_busy_port_ends_it(tmp_path):
     root.mkdir()
     token_file = tmp_path / "elsewhere" / "token"
     p1, p2 = free_port(), free_port()
-    proc = _start_serve("--dir", str(root), "serve", "--listen", f"127.0.0.1:{p1}", "--api-listen", f"127.0.0.1:{p2}",
-                        "--api-token-file", str(token_file))
+    proc = _start_serve(
+        "--dir",
+        str(root),
+        "serve",
+        "--listen",
+        f"127.0.0.1:{p1}",
+        "--api-listen",
+        f"127.0.0.1:{p2}",
+        "--api-token-file",
+        str(token_file),
+    )
     try:
         lines = _lines(proc, 4)
         assert lines[0].startswith(f"made the management API token {token_file} ")
         assert lines[2] == f"management API on 127.0.0.1:{p2}, from any address; credential: the token in {token_file}"
         assert lines[3] == "catalog sources should point at http://localhost:8081"
-        second = _start_serve("--dir", str(root), "serve", "--listen", f"127.0.0.1:{free_port()}",
-                              "--api-listen", f"127.0.0.1:{p2}", "--api-token-file", str(token_file))
+        second = _start_serve(
+            "--dir",
+            str(root),
+            "serve",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--api-listen",
+            f"127.0.0.1:{p2}",
+            "--api-token-file",
+            str(token_file),
+        )
         out, _ = second.communicate(timeout=20)
         assert second.returncode == 1
         assert "made the management API token" not in out  # the file was there: it is read, not replaced

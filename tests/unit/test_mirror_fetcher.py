@@ -11,10 +11,11 @@ import json
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from test_mirror_gguf import gguf_bytes
 
 from llmgw.mirror.fetcher import Manager
 from llmgw.mirror.layout import MirrorError
-from test_mirror_gguf import gguf_bytes
+from llmgw.testing.waiting import async_until
 
 KNOWN = frozenset({"llama"})
 MODEL = gguf_bytes(3, tail=300_000)
@@ -48,7 +49,7 @@ class Upstream:
             start = int(a)
             end = min(int(b), len(body) - 1) if b else len(body) - 1
             status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{len(body)}"
-            body = body[start:end + 1]
+            body = body[start : end + 1]
         resp = web.StreamResponse(status=status, headers=headers)
         resp.content_type = self.types.get(name, "application/octet-stream")
         resp.content_length = len(body)
@@ -65,7 +66,7 @@ class Upstream:
         await resp.write_eof()
         return resp
 
-    async def __aenter__(self) -> "Upstream":
+    async def __aenter__(self) -> Upstream:
         app = web.Application()
         app.router.add_get("/files/{name}", self.handle)
         self.srv = TestServer(app)
@@ -195,8 +196,10 @@ async def test_restart_rebuilds_state_from_disk(up, mgr, tmp_path):
     await mgr.wait("bad", "v1")
     up.gate = asyncio.Event()
     await mgr.fetch(up.url("model.gguf"), "half", "v1")
-    while mgr.status("half", "v1").files[0].bytes_done == 0 and not (root / "half" / "v1" / ".model.gguf.part").exists():
-        await asyncio.sleep(0.01)
+    await async_until(
+        lambda: mgr.status("half", "v1").files[0].bytes_done or (root / "half" / "v1" / ".model.gguf.part").exists(),
+        what="the download to begin",
+    )
     await mgr.close()  # cancels the download; its partial stays
     (root / "half" / "v1" / ".model.gguf.part").write_bytes(MODEL[:5000])
 
@@ -218,8 +221,14 @@ async def test_restart_rebuilds_state_from_disk(up, mgr, tmp_path):
 
 
 async def test_names_that_leave_their_level_are_refused(up, mgr):
-    for model, version, as_name in [("..", "v1", None), ("a/b", "v1", None), (".hidden", "v1", None),
-                                    ("m", "..", None), ("m", "v1", "../x"), ("m", "v1", ".x")]:
+    for model, version, as_name in [
+        ("..", "v1", None),
+        ("a/b", "v1", None),
+        (".hidden", "v1", None),
+        ("m", "..", None),
+        ("m", "v1", "../x"),
+        ("m", "v1", ".x"),
+    ]:
         with pytest.raises(MirrorError):
             await mgr.fetch(up.url("model.gguf"), model, version, as_name=as_name)
     with pytest.raises(MirrorError, match="not a source"):

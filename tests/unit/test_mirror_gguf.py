@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from llmgw.mirror import gguf
+from llmgw import gguf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,8 +41,9 @@ def gguf_bytes(version: int = 3, kv: list[tuple[str, object]] | None = None, tai
 
 @pytest.mark.parametrize("version", [1, 2, 3])
 def test_headers_of_every_version_are_read(version):
-    h = gguf.parse_header(gguf_bytes(version, [("general.architecture", "qwen2"), ("x.count", 7),
-                                               ("tokenizer.tokens", ["a", "b"])]))
+    h = gguf.parse_header(
+        gguf_bytes(version, [("general.architecture", "qwen2"), ("x.count", 7), ("tokenizer.tokens", ["a", "b"])])
+    )
     assert h["version"] == version and h["kv_count"] == 3 and h["complete"]
     assert h["metadata"] == {"general.architecture": "qwen2", "x.count": 7, "tokenizer.tokens": ["a", "b"]}
 
@@ -62,16 +63,18 @@ def test_what_is_not_gguf_is_an_error():
         gguf.parse_header(gguf_bytes(3)[:30])
 
 
-def test_judging():
+def test_gguf_judge_refuses_unknown_architectures_and_projector_files_with_the_way_out():
     known = frozenset({"llama", "qwen2"})
     ok = {"metadata": {"general.architecture": "llama"}}
     assert gguf.judge(ok, "http://h/m.gguf", known) is None
     why = gguf.judge({"metadata": {"general.architecture": "ggmlc"}}, "http://h/m.gguf", known)
     assert "cannot load architecture 'ggmlc'" in why and "--anyway" in why
     assert gguf.judge({"metadata": {"general.architecture": "ggmlc"}}, "http://h/m.gguf", frozenset()) is None
-    for header, url in [({"metadata": {"general.architecture": "clip"}}, "http://h/m.gguf"),
-                        ({"metadata": {"general.architecture": "llama", "general.type": "mmproj"}}, "http://h/m.gguf"),
-                        (ok, "http://h/mmproj-model-f16.gguf")]:
+    for header, url in [
+        ({"metadata": {"general.architecture": "clip"}}, "http://h/m.gguf"),
+        ({"metadata": {"general.architecture": "llama", "general.type": "mmproj"}}, "http://h/m.gguf"),
+        (ok, "http://h/mmproj-model-f16.gguf"),
+    ]:
         assert "not a model on its own; it goes with a model as --mmproj" in gguf.judge(header, url, known)
 
 
@@ -83,14 +86,14 @@ def test_the_pinned_list_is_loaded():
 
 
 def test_arch_names_are_parsed_from_llama_arch_cpp():
-    src = '''static const std::map<llm_arch, const char *> LLM_ARCH_NAMES = {
+    src = """static const std::map<llm_arch, const char *> LLM_ARCH_NAMES = {
     { LLM_ARCH_CLIP,             "clip"             }, // dummy
     { LLM_ARCH_LLAMA,            "llama"            },
     { LLM_ARCH_UNKNOWN,          "(unknown)"        },
 };
 static const std::map<llm_kv, const char *> LLM_KV_NAMES = {
     { LLM_KV_GENERAL_TYPE, "general.type" },
-};'''
+};"""
     assert gguf.parse_arch_names(src) == ["clip", "llama"]
 
 
@@ -105,8 +108,9 @@ async def _server(routes: dict[str, bytes], hits: list | None = None) -> TestSer
         if rng:
             start, end = rng.split("=")[1].split("-")
             start, end = int(start), min(int(end), len(body) - 1)
-            return web.Response(status=206, body=body[start:end + 1],
-                                headers={"Content-Range": f"bytes {start}-{end}/{len(body)}"})
+            return web.Response(
+                status=206, body=body[start : end + 1], headers={"Content-Range": f"bytes {start}-{end}/{len(body)}"}
+            )
         return web.Response(body=body)
 
     app = web.Application()
@@ -119,8 +123,9 @@ async def _server(routes: dict[str, bytes], hits: list | None = None) -> TestSer
 async def test_check_gguf_url_reads_only_the_head_and_grows_the_range():
     big = gguf_bytes(3, [("tokenizer.tokens", ["t" * 1000] * 400), ("general.architecture", "ggmlc")])
     hits: list = []
-    srv = await _server({"/ok.gguf": gguf_bytes(3, tail=10 << 20), "/big.gguf": big,
-                         "/junk.gguf": b"nothing like a header" * 10}, hits)
+    srv = await _server(
+        {"/ok.gguf": gguf_bytes(3, tail=10 << 20), "/big.gguf": big, "/junk.gguf": b"nothing like a header" * 10}, hits
+    )
     try:
         assert await gguf.check_gguf_url(str(srv.make_url("/ok.gguf")), None, frozenset({"llama"})) is None
         assert hits == ["bytes=0-262143"]  # one small range, not the 10 MB file
@@ -144,7 +149,9 @@ def _pypi_reachable() -> bool:
 
 def test_the_committed_list_matches_the_pinned_sdist():
     """The list is derived from llama.cpp's source, never typed: re-derive and compare."""
-    loader = importlib.machinery.SourceFileLoader("gen_gguf_architectures", str(REPO / "scripts" / "gen-gguf-architectures"))
+    loader = importlib.machinery.SourceFileLoader(
+        "gen_gguf_architectures", str(REPO / "scripts" / "gen-gguf-architectures")
+    )
     spec = importlib.util.spec_from_loader(loader.name, loader)
     gen = importlib.util.module_from_spec(spec)
     loader.exec_module(gen)
@@ -154,4 +161,4 @@ def test_the_committed_list_matches_the_pinned_sdist():
     if not cached.is_file() and not _pypi_reachable():
         pytest.skip("PyPI is unreachable and the sdist is not cached")
     text = gen.render(gen.derive(gen.obtain_sdist()))
-    assert (REPO / "llmgw" / "mirror" / "gguf_architectures.txt").read_text(encoding="utf-8") == text
+    assert (REPO / "llmgw" / "gguf_architectures.txt").read_text(encoding="utf-8") == text

@@ -7,11 +7,11 @@ import hashlib
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from test_mirror_gguf import gguf_bytes
 
 from llmgw.mirror import huggingface
 from llmgw.mirror.fetcher import Manager
 from llmgw.mirror.layout import MirrorError
-from test_mirror_gguf import gguf_bytes
 
 COMMIT = "c0ffee" * 6 + "abcd"
 TOKEN = "hf_secret"
@@ -34,14 +34,17 @@ class HF:
         repo = request.match_info["repo"]
         if repo == "missing":
             return web.json_response({"error": "Repository not found"}, status=404)
-        return web.json_response({"id": f"org/{repo}", "sha": COMMIT,
-                                  "gated": "manual" if self.gated(repo) else False})
+        return web.json_response({"id": f"org/{repo}", "sha": COMMIT, "gated": "manual" if self.gated(repo) else False})
 
     async def tree(self, request: web.Request) -> web.Response:
         assert request.match_info["rev"] == COMMIT and request.query.get("recursive") == "1"
-        return web.json_response([{"type": "directory", "path": "q4"}] + [
-            {"type": "file", "path": p, "size": 134, "lfs": {"oid": self.oids[p], "size": len(b)}}
-            for p, b in self.files.items()])
+        return web.json_response(
+            [{"type": "directory", "path": "q4"}]
+            + [
+                {"type": "file", "path": p, "size": 134, "lfs": {"oid": self.oids[p], "size": len(b)}}
+                for p, b in self.files.items()
+            ]
+        )
 
     async def resolve(self, request: web.Request) -> web.Response:
         repo, rev, path = request.match_info["repo"], request.match_info["rev"], request.match_info["path"]
@@ -60,11 +63,12 @@ class HF:
         if rng:
             a, b = rng.split("=")[1].split("-")
             end = min(int(b), len(body) - 1) if b else len(body) - 1
-            return web.Response(status=206, body=body[int(a):end + 1],
-                                headers={"Content-Range": f"bytes {a}-{end}/{len(body)}"})
+            return web.Response(
+                status=206, body=body[int(a) : end + 1], headers={"Content-Range": f"bytes {a}-{end}/{len(body)}"}
+            )
         return web.Response(body=body)
 
-    async def __aenter__(self) -> "HF":
+    async def __aenter__(self) -> HF:
         cdn = web.Application()
         cdn.router.add_get("/blobs/{path:.+}", self.blob)
         self.cdn = TestServer(cdn)
@@ -96,8 +100,13 @@ async def hf():
 
 def manager(tmp_path, hf: HF, token: str | None = "") -> Manager:
     # The hub is the configured endpoint (fetched from on loopback), its CDN another loopback port.
-    return Manager(tmp_path / "root", hf_endpoint=hf.endpoint, hf_token=token, architectures=frozenset({"llama"}),
-                   allow_local_sources=True)
+    return Manager(
+        tmp_path / "root",
+        hf_endpoint=hf.endpoint,
+        hf_token=token,
+        architectures=frozenset({"llama"}),
+        allow_local_sources=True,
+    )
 
 
 async def test_one_file_pinned_to_the_commit_through_the_redirect(hf, tmp_path):
@@ -178,7 +187,9 @@ async def test_unknown_repo_and_file_and_bad_sources(hf, tmp_path):
     assert m.list() == []
 
 
-@pytest.mark.parametrize("value,want", [(False, False), (True, True), ("auto", True), ("manual", True),
-                                        ("", False), ("false", False), (None, False)])
+@pytest.mark.parametrize(
+    "value,want",
+    [(False, False), (True, True), ("auto", True), ("manual", True), ("", False), ("false", False), (None, False)],
+)
 def test_gated_is_read_from_bool_or_string(value, want):
     assert huggingface.is_gated(value) is want

@@ -12,14 +12,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+from test_mirror_serve_fake import FakeManager
 
 from llmgw.agent.provision.fetch import parse_sha256_file
 from llmgw.mirror.api import FORBIDDEN, ApiAccess, allow_list_middleware, api_app, references
-from llmgw.mirror.serve import manager_checksums, parse_allow, request_segments, weights_app
 from llmgw.mirror.layout import MirrorError
+from llmgw.mirror.serve import manager_checksums, parse_allow, request_segments, weights_app
 from llmgw.pki import init_ca, issue_client, issue_server
 from llmgw.pki.tls import client_context, server_context
-from test_mirror_serve_fake import FakeManager
+from llmgw.testing.waiting import async_until
 
 DATA = bytes(range(256)) * 40  # 10240 bytes
 TOKEN = "llmgw-mirror-test-token"
@@ -92,7 +93,7 @@ async def test_no_compressed_sibling_is_swapped_in(weights, tree):
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
-async def test_read_only(weights, method):
+async def test_the_weights_server_refuses_every_writing_method_as_read_only(weights, method):
     r = await weights.request(method, "/qwen/2024-01-01/q.gguf")
     assert r.status == 405 and (await r.text()).strip() == "the mirror is read-only"
 
@@ -112,36 +113,50 @@ async def test_manifest_get_and_head(weights):
     assert h.headers["Content-Length"] == r.headers["Content-Length"] and await h.read() == b""
 
 
-@pytest.mark.parametrize("path", ["/qwen/nope/", "/nope/2024-01-01/", "/qwen/", "/", "/qwen/2024-01-01/q.gguf/",
-                                  "/qwen/2024-01-01", "/evil/secret.txt/", "/a/b/c/d"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/qwen/nope/",
+        "/nope/2024-01-01/",
+        "/qwen/",
+        "/",
+        "/qwen/2024-01-01/q.gguf/",
+        "/qwen/2024-01-01",
+        "/evil/secret.txt/",
+        "/a/b/c/d",
+    ],
+)
 async def test_unknown_is_404(weights, path):
     r = await weights.get(path)
     assert r.status == 404 and r.content_type == "text/plain"
 
 
-@pytest.mark.parametrize("target", [
-    "/qwen/2024-01-01/.q2.gguf.part",
-    "/qwen/2024-01-01/.llmgw.json",
-    "/qwen/2024-01-01/%2Eq2.gguf.part",
-    "/qwen/2024-01-01/../../secret.txt",
-    "/../secret.txt",
-    "/qwen/../../secret.txt",
-    "/qwen/2024-01-01/%2e%2e/%2e%2e/%2e%2e/secret.txt",
-    "/%2e%2e/secret.txt/x",
-    "/qwen/%2e%2e%2f%2e%2e%2fsecret.txt/x",
-    "/qwen/2024-01-01/..%2f..%2f..%2fsecret.txt",
-    "/qwen/2024-01-01/%252e%252e/%252e%252e/secret.txt",
-    "/qwen/2024-01-01/..%252f..%252fsecret.txt",
-    "/qwen/2024-01-01/..\\..\\..\\secret.txt",
-    "/qwen/2024-01-01/..%5c..%5c..%5csecret.txt",
-    "/qwen/2024-01-01/link.gguf",
-    "/qwen/2024-01-01/link.gguf.sha256",
-    "/evil/outdir/secret.txt",
-    "/evil/outdir/",
-    "/qwen/2024-01-01/%2e%2e/%2e%2e/outdir/secret.txt",
-    "//etc/passwd",
-    "/qwen/2024-01-01/%00",
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/qwen/2024-01-01/.q2.gguf.part",
+        "/qwen/2024-01-01/.llmgw.json",
+        "/qwen/2024-01-01/%2Eq2.gguf.part",
+        "/qwen/2024-01-01/../../secret.txt",
+        "/../secret.txt",
+        "/qwen/../../secret.txt",
+        "/qwen/2024-01-01/%2e%2e/%2e%2e/%2e%2e/secret.txt",
+        "/%2e%2e/secret.txt/x",
+        "/qwen/%2e%2e%2f%2e%2e%2fsecret.txt/x",
+        "/qwen/2024-01-01/..%2f..%2f..%2fsecret.txt",
+        "/qwen/2024-01-01/%252e%252e/%252e%252e/secret.txt",
+        "/qwen/2024-01-01/..%252f..%252fsecret.txt",
+        "/qwen/2024-01-01/..\\..\\..\\secret.txt",
+        "/qwen/2024-01-01/..%5c..%5c..%5csecret.txt",
+        "/qwen/2024-01-01/link.gguf",
+        "/qwen/2024-01-01/link.gguf.sha256",
+        "/evil/outdir/secret.txt",
+        "/evil/outdir/",
+        "/qwen/2024-01-01/%2e%2e/%2e%2e/outdir/secret.txt",
+        "//etc/passwd",
+        "/qwen/2024-01-01/%00",
+    ],
+)
 async def test_nothing_from_outside(weights, target):
     for method in ("GET", "HEAD"):
         status, body = await raw_get(weights, target, method)
@@ -149,7 +164,7 @@ async def test_nothing_from_outside(weights, target):
         assert SECRET not in body and b"half" not in body
 
 
-def test_request_segments():
+def test_request_segments_decode_paths_and_reject_traversal_and_odd_encodings():
     assert request_segments("/a/b/c?x=1") == ["a", "b", "c"]
     assert request_segments("/a/b/") == ["a", "b", ""]
     assert request_segments("/a%20b/v/f") == ["a b", "v", "f"]
@@ -157,7 +172,7 @@ def test_request_segments():
         assert request_segments(bad) is None, bad
 
 
-async def test_sha256_sidecar(weights):
+async def test_the_weights_server_serves_a_sha256_sidecar_only_for_known_checksums(weights):
     r = await weights.get("/qwen/2024-01-01/q.gguf.sha256")
     text = await r.text()
     assert r.status == 200 and text == f"{hashlib.sha256(DATA).hexdigest()}  q.gguf\n"
@@ -190,7 +205,9 @@ async def api(tmp_path):
 
 async def test_add_single_file_202(api):
     client, mgr = api
-    r = await client.post("/v1/models", json={"source": "https://h/x/q.gguf?download=true", "model": "qwen", "version": "v1"})
+    r = await client.post(
+        "/v1/models", json={"source": "https://h/x/q.gguf?download=true", "model": "qwen", "version": "v1"}
+    )
     body = await r.json()
     assert r.status == 202 and body["state"] == "fetching"
     assert body["bytes_done"] == 1 and body["bytes_total"] == 10
@@ -199,15 +216,24 @@ async def test_add_single_file_202(api):
 
 async def test_add_as_and_anyway(api):
     client, mgr = api
-    r = await client.post("/v1/models", json={"source": "https://h/x/a.gguf", "model": "m", "version": "v", "as": "b.gguf", "anyway": True})
+    r = await client.post(
+        "/v1/models",
+        json={"source": "https://h/x/a.gguf", "model": "m", "version": "v", "as": "b.gguf", "anyway": True},
+    )
     assert r.status == 202 and (await r.json())["url"] == "http://mirror:8081/m/v/b.gguf"
     assert mgr.fetched[-1] == ("https://h/x/a.gguf", "m", "v", "b.gguf", True)
 
 
 async def test_add_several_files_url_is_the_version(api):
     client, _ = api
-    r = await client.post("/v1/models", json={"source": "https://h/a-00001-of-00002.gguf+https://h/a-00002-of-00002.gguf",
-                                              "model": "big", "version": "v"})
+    r = await client.post(
+        "/v1/models",
+        json={
+            "source": "https://h/a-00001-of-00002.gguf+https://h/a-00002-of-00002.gguf",
+            "model": "big",
+            "version": "v",
+        },
+    )
     body = await r.json()
     assert r.status == 202 and body["url"] == "http://mirror:8081/big/v/" and len(body["files"]) == 2
 
@@ -233,7 +259,7 @@ async def test_failed_keeps_reason(api):
     assert body["state"] == "failed" and "404" in body["reason"]
 
 
-async def test_refusals(api):
+async def test_the_mirror_api_refuses_bad_or_overwriting_fetches_and_unknown_models_in_words(api):
     client, mgr = api
     r = await client.post("/v1/models", data=b"not json", headers={"Content-Type": "application/json"})
     assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
@@ -258,7 +284,7 @@ async def test_delete_refused_while_fetching(api):
     assert (await client.delete("/v1/models/qwen/v1")).status == 404
 
 
-async def test_health(api, tmp_path):
+async def test_mirror_api_health_fails_when_the_mirror_directory_cannot_be_read(api, tmp_path):
     client, _ = api
     assert (await client.get("/v1/health")).status == 200
     gone = tmp_path / "gone"
@@ -267,7 +293,7 @@ async def test_health(api, tmp_path):
         assert r.status == 503 and "cannot read" in (await r.json())["error"]["message"]
 
 
-async def test_allow_list():
+async def test_the_api_allow_list_admits_loopback_and_listed_networks_and_refuses_the_rest():
     allow = parse_allow(["10.0.0.5", "192.168.1.0/24,fd00::/8"])
     mw = allow_list_middleware(allow)
 
@@ -339,14 +365,17 @@ async def test_on_tls_a_control_plane_certificate_or_the_token_is_a_credential_a
 
 
 def test_references_compare_by_path():
-    refs = references([
-        "https://mirror.internal/qwen/v1/q.gguf",
-        "http://10.0.0.9:8081/big/v2",          # a version, without its slash
-        "http://localhost:8081/big/v3/",         # a version
-        "hf:Qwen/Qwen2.5/q.gguf",
-        "/srv/local/x.gguf",
-        "http://other/deep/a/b/c",
-    ], "http://localhost:8081")
+    refs = references(
+        [
+            "https://mirror.internal/qwen/v1/q.gguf",
+            "http://10.0.0.9:8081/big/v2",  # a version, without its slash
+            "http://localhost:8081/big/v3/",  # a version
+            "hf:Qwen/Qwen2.5/q.gguf",
+            "/srv/local/x.gguf",
+            "http://other/deep/a/b/c",
+        ],
+        "http://localhost:8081",
+    )
     assert refs == {("qwen", "v1", "q.gguf"), ("big", "v2"), ("big", "v3")}
     assert references(["http://h/models/a/b/c", "http://h/a/b/c"], "http://x/models/") == {("a", "b", "c")}
 
@@ -373,18 +402,21 @@ async def test_api_with_the_real_fetcher(tmp_path):
     root = tmp_path / "models"
     root.mkdir()
     mgr = Manager(root, allow_local_sources=True)  # the source is on loopback
-    async with TestClient(TestServer(src_app)) as src, \
-            TestClient(TestServer(api_app(mgr, root, "http://mirror:8081", ACCESS)), headers=AUTH) as client, \
-            TestClient(TestServer(weights_app(root, manager_checksums(mgr)))) as weights:
+    async with (
+        TestClient(TestServer(src_app)) as src,
+        TestClient(TestServer(api_app(mgr, root, "http://mirror:8081", ACCESS)), headers=AUTH) as client,
+        TestClient(TestServer(weights_app(root, manager_checksums(mgr)))) as weights,
+    ):
         url = str(src.make_url("/files/tok.bin"))
         r = await client.post("/v1/models", json={"source": url, "model": "tok", "version": "v1"})
         body = await r.json()
         assert r.status == 202 and body["state"] == "fetching" and body["url"] == "http://mirror:8081/tok/v1/tok.bin"
-        for _ in range(100):
+
+        async def sized():
             body = await (await client.get("/v1/models/tok/v1")).json()
-            if body.get("bytes_total") is not None:
-                break
-            await asyncio.sleep(0.02)
+            return body if body.get("bytes_total") is not None else None
+
+        body = await async_until(sized, what="the fetch to learn the file's size")
         try:
             assert body["state"] == "fetching" and body["bytes_total"] == len(payload) and body["bytes_done"] <= 1000
             assert (await client.delete("/v1/models/tok/v1")).status == 409

@@ -27,8 +27,11 @@ class FakeManager:
         d.mkdir(parents=True, exist_ok=True)
         (d / name).write_bytes(data)
         vs = self.versions.setdefault((model, version), VersionStatus(model, version, "present"))
-        vs.files.append(FileStatus(name, "present", len(data), len(data), len(data),
-                                   hashlib.sha256(data).hexdigest() if sha else None))
+        vs.files.append(
+            FileStatus(
+                name, "present", len(data), len(data), len(data), hashlib.sha256(data).hexdigest() if sha else None
+            )
+        )
         return vs
 
     def finish(self, model, version):
@@ -55,10 +58,15 @@ class FakeManager:
         check_segment(version, "--version")
         old = self.versions.get((model, version))
         if old is not None and old.state == "present":
-            raise MirrorError(f"{model}/{version} is already here; a version is never overwritten, add a new one beside it.")
+            raise MirrorError(
+                f"{model}/{version} is already here; a version is never overwritten, add a new one beside it."
+            )
         self.fetched.append((source, model, version, as_name, anyway))
         sources = source.split("+")  # a test's way to ask for several files
-        files = [FileStatus(as_name or s.split("?", 1)[0].rsplit("/", 1)[-1], "fetching", None, 1, 10, source=s) for s in sources]
+        files = [
+            FileStatus(as_name or s.split("?", 1)[0].rsplit("/", 1)[-1], "fetching", None, 1, 10, source=s)
+            for s in sources
+        ]
         vs = VersionStatus(model, version, "fetching", files)
         self.versions[(model, version)] = vs
         if self.auto_finish:

@@ -17,14 +17,29 @@ from llmgw.mirror.sources import GuardedTransport, SourcePolicy, SourceRefused, 
 TOKEN = "llmgw-mirror-test-token"
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1", "0.0.0.0", "0.1.2.3",
-                                     "::", "169.254.169.254", "fe80::1", "fe80::1%eth0"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "127.8.9.10",
+        "::1",
+        "::ffff:127.0.0.1",
+        "0.0.0.0",
+        "0.1.2.3",
+        "::",
+        "169.254.169.254",
+        "fe80::1",
+        "fe80::1%eth0",
+    ],
+)
 def test_loopback_link_local_and_unspecified_addresses_are_local(address):
     assert local_kind(address) is not None
 
 
-@pytest.mark.parametrize("address", ["10.0.0.5", "192.168.1.7", "172.16.0.1", "8.8.8.8", "fd00::5", "2001:db8::1",
-                                     "::ffff:10.0.0.5", "not-an-address"])
+@pytest.mark.parametrize(
+    "address",
+    ["10.0.0.5", "192.168.1.7", "172.16.0.1", "8.8.8.8", "fd00::5", "2001:db8::1", "::ffff:10.0.0.5", "not-an-address"],
+)
 def test_internal_networks_and_public_addresses_are_not_local(address):
     # An internal Hugging Face mirror or file server on 10/8 is an ordinary source.
     assert local_kind(address) is None
@@ -67,8 +82,9 @@ class StandInNetwork(httpcore.AsyncNetworkBackend):
 
     async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         self.connected.append((host, port))
-        return await self._real.connect_tcp("127.0.0.1", self.routes.get(host, port), timeout, local_address,
-                                            socket_options)
+        return await self._real.connect_tcp(
+            "127.0.0.1", self.routes.get(host, port), timeout, local_address, socket_options
+        )
 
     async def sleep(self, seconds):
         await self._real.sleep(seconds)
@@ -76,9 +92,11 @@ class StandInNetwork(httpcore.AsyncNetworkBackend):
 
 def names(table: dict[str, list[list[str]]]):
     """A resolver answering each name from its list of answers, one per lookup (the last repeats)."""
+
     async def resolve(host, port):
         answers = table[host]
         return answers.pop(0) if len(answers) > 1 else answers[0]
+
     return resolve
 
 
@@ -86,12 +104,18 @@ async def test_a_redirect_from_a_public_source_to_loopback_is_refused_before_it_
     public = "203.0.113.7"
     net = StandInNetwork({public: site.server.port})
     policy = SourcePolicy(resolve=names({"files.example": [[public]], "localhost": [["127.0.0.1"]]}))
-    async with httpx.AsyncClient(transport=GuardedTransport(policy, network=net, proxies={}),
-                                 follow_redirects=True) as c:
+    async with httpx.AsyncClient(
+        transport=GuardedTransport(policy, network=net, proxies={}), follow_redirects=True
+    ) as c:
         r = await c.get(f"http://files.example:{site.server.port}/plain")
         assert r.status_code == 200  # the public source itself is fetched, at the address that was checked
-        for target in (site.url("/secret"), f"http://localhost:{site.server.port}/secret",
-                       "http://169.254.169.254/latest/meta-data/", "http://[::1]:1/x", "http://0.0.0.0:1/x"):
+        for target in (
+            site.url("/secret"),
+            f"http://localhost:{site.server.port}/secret",
+            "http://169.254.169.254/latest/meta-data/",
+            "http://[::1]:1/x",
+            "http://0.0.0.0:1/x",
+        ):
             with pytest.raises(SourceRefused, match="--allow-local-sources") as refused:
                 await c.get(f"http://files.example:{site.server.port}/go/x", params={"to": target})
             assert httpx.URL(target).host in str(refused.value)
@@ -103,8 +127,9 @@ async def test_a_name_that_resolves_to_loopback_on_a_later_lookup_is_refused_on_
     # on the addresses it is made to, so the second one never reaches loopback.
     net = StandInNetwork({"203.0.113.7": site.server.port})
     policy = SourcePolicy(resolve=names({"rebind.example": [["203.0.113.7"], ["127.0.0.1"]]}))
-    async with httpx.AsyncClient(transport=GuardedTransport(policy, network=net, proxies={}),
-                                 headers={"Connection": "close"}) as c:
+    async with httpx.AsyncClient(
+        transport=GuardedTransport(policy, network=net, proxies={}), headers={"Connection": "close"}
+    ) as c:
         assert (await c.get(f"http://rebind.example:{site.server.port}/a")).status_code == 200
         with pytest.raises(SourceRefused, match=r"rebind.example \(127.0.0.1\) is a loopback address"):
             await c.get(f"http://rebind.example:{site.server.port}/b")
@@ -126,8 +151,7 @@ async def test_a_refusal_names_the_url_without_its_query():
 async def test_a_source_on_loopback_is_refused_at_once_and_nothing_is_fetched(site, tmp_path):
     mgr = Manager(tmp_path / "root", architectures=frozenset({"llama"}))
     try:
-        for source in (site.url("/model.gguf"), site.url("/tok.bin"),
-                       f"http://localhost:{site.server.port}/tok.bin"):
+        for source in (site.url("/model.gguf"), site.url("/tok.bin"), f"http://localhost:{site.server.port}/tok.bin"):
             with pytest.raises(MirrorError, match="is a loopback address.*--allow-local-sources"):
                 await mgr.fetch(source, "m", "v")
         assert site.asked == [] and mgr.list() == []
@@ -146,7 +170,8 @@ async def test_allow_local_sources_lets_the_operator_fetch_from_this_machine(sit
 
 
 async def test_the_configured_hugging_face_endpoint_may_be_local_but_its_redirect_to_another_local_port_is_not(
-        site, tmp_path):
+    site, tmp_path
+):
     other = Site()
     await other.server.start_server()
     mgr = Manager(tmp_path / "root", hf_endpoint=site.url("/").rstrip("/"), architectures=frozenset({"llama"}))

@@ -206,7 +206,9 @@ def test_handshake_refuses_cert_from_another_authority(fleet, tmp_path):
     init_ca(tmp_path / "other")
     issue_client(tmp_path / "other", tmp_path / "other", "node-a")
     # Trusts the real server, but presents a certificate the fleet's authority did not sign.
-    cctx = client_context(fleet / "pki" / "ca.pem", tmp_path / "other" / "node-a.pem", tmp_path / "other" / "node-a-key.pem")
+    cctx = client_context(
+        fleet / "pki" / "ca.pem", tmp_path / "other" / "node-a.pem", tmp_path / "other" / "node-a-key.pem"
+    )
     reply, seen = asyncio.run(_exchange(_server_ctx(fleet), cctx))
     assert reply in (b"",) or isinstance(reply, Exception)
     assert seen == []
@@ -233,7 +235,9 @@ def test_client_refuses_server_from_another_authority(fleet, tmp_path):
 def test_address_missing_from_sans_fails_even_as_common_name(fleet, tmp_path):
     # Hostname verification ignores the CN: an address agents dial must be a SAN.
     issue_server(fleet / "pki", tmp_path / "narrow", ["cp.internal"])
-    sctx = server_context(fleet / "pki" / "ca.pem", tmp_path / "narrow" / "server.pem", tmp_path / "narrow" / "server-key.pem")
+    sctx = server_context(
+        fleet / "pki" / "ca.pem", tmp_path / "narrow" / "server.pem", tmp_path / "narrow" / "server-key.pem"
+    )
     cctx = client_context(fleet / "pki" / "ca.pem", fleet / "cl" / "node-a.pem", fleet / "cl" / "node-a-key.pem")
     reply, _ = asyncio.run(_exchange(sctx, cctx))
     assert isinstance(reply, ssl.SSLCertVerificationError)

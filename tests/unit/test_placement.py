@@ -108,13 +108,17 @@ def test_gpu_class_without_figures():
 
 def test_each_refusal_in_words():
     nodes = [
-        view("node-1", state="unreachable"),
+        view("node-1", state=NodeState.UNREACHABLE),
         view("node-2", draining=True),
         view("node-3", cordoned=True),
         view("node-4", memory_total_gb=8.0),
         view("node-5", memory_total_gb=32.0, memory_claimed_gb=16.0),
         view("node-6", labels={"zone": "us"}),
-        view("node-7", engines={}, provision={"llamacpp": "installing: downloading llama-b10991-bin-ubuntu-x64.tar.gz (16 MB)"}),
+        view(
+            "node-7",
+            engines={},
+            provision={"llamacpp": "installing: downloading llama-b10991-bin-ubuntu-x64.tar.gz (16 MB)"},
+        ),
         view("node-8", engines={}),
         view("node-9", disk_free_gb=5.0),
     ]
@@ -139,14 +143,15 @@ def test_each_refusal_in_words():
     assert "node-4 has 8 GB of memory, needs 24" in res.explanation
 
 
-def test_gpu_refusals():
-    held = view("node-2", gpus=tuple(
-        GPUView(index=i, gpu_class="h100-80g", free=i >= 3) for i in range(4)
-    ))
-    sick = view("node-3", gpus=(
-        GPUView(index=0, gpu_class="h100-80g"),
-        GPUView(index=1, gpu_class="h100-80g", healthy=False, problems=("2 uncorrected ECC errors",)),
-    ))
+def test_gpu_placement_says_why_each_node_is_refused_class_count_held_or_unhealthy():
+    held = view("node-2", gpus=tuple(GPUView(index=i, gpu_class="h100-80g", free=i >= 3) for i in range(4)))
+    sick = view(
+        "node-3",
+        gpus=(
+            GPUView(index=0, gpu_class="h100-80g"),
+            GPUView(index=1, gpu_class="h100-80g", healthy=False, problems=("2 uncorrected ECC errors",)),
+        ),
+    )
     nodes = [view("node-1", gpus=gpus("l40s-45g", 4)), held, sick, view("node-4")]
     v = explain(gpu(tp=2), nodes)
     assert reasons(v, "node-1") == ["node-1 has no h100-80g GPUs (it has l40s-45g)"]
@@ -228,8 +233,7 @@ def dgx_like() -> NodeView:
     nvlink = [{0, 1}, {2, 3}, {4, 5, 6, 7}]
     numa = [0, 0, 0, 0, 1, 1, 1, 1]
     nics = [{"mlx5_0": "SYS"}] * 6 + [{"mlx5_0": "PIX"}] * 2
-    return view("dgx", gpus=gpus("h100-80g", 8, nvlink=nvlink, numa=numa, nics=nics),
-                fabrics={"ib-a": ("mlx5_0",)})
+    return view("dgx", gpus=gpus("h100-80g", 8, nvlink=nvlink, numa=numa, nics=nics), fabrics={"ib-a": ("mlx5_0",)})
 
 
 def test_nvlink_pairs_chosen():
@@ -286,8 +290,10 @@ def test_multi_node_only_inside_one_fabric():
 
 
 def test_nvlink_domain_before_fabric():
-    nodes = [view(f"g{i}", gpus=gpus("gb200-186g", 4), fabrics={"ib-a": ()},
-                  nvlink_domain="c1/0" if i >= 2 else None) for i in range(4)]
+    nodes = [
+        view(f"g{i}", gpus=gpus("gb200-186g", 4), fabrics={"ib-a": ()}, nvlink_domain="c1/0" if i >= 2 else None)
+        for i in range(4)
+    ]
     res = place(gpu(cls="gb200-186g", tp=4, nodes=2), nodes)
     assert [n for n, _ in res.nodes] == ["g2", "g3"]
     assert "nvlink domain c1/0" in res.explanation
@@ -304,16 +310,23 @@ def test_node_view_from_node():
         inventory=NodeInventory(
             memory=MemoryInfo(total_bytes=64 * GiB),
             gpus=[
-                GPU(index=0, **h100, numa_node=0, nvlink_peers=[NVLinkPeer(index=1, links=18)],
-                    nic_paths={"mlx5_0": "PIX"}, fabric=fab),
+                GPU(
+                    index=0,
+                    **h100,
+                    numa_node=0,
+                    nvlink_peers=[NVLinkPeer(index=1, links=18)],
+                    nic_paths={"mlx5_0": "PIX"},
+                    fabric=fab,
+                ),
                 GPU(index=1, **h100, numa_node=0, nvlink_peers=[NVLinkPeer(index=0, links=18)], fabric=fab),
                 GPU(index=2, **h100, numa_node=1, problems=["memory held by pid 42 (not llmgw)"], fabric=fab),
             ],
         ),
         engine_versions={"vllm": "0.11.0"},
         provision={
-            "llamacpp": ProvisionStatus(engine="llamacpp", state=ProvisionState.INSTALLING,
-                                        detail="downloading x.tar.gz (16 MB)"),
+            "llamacpp": ProvisionStatus(
+                engine="llamacpp", state=ProvisionState.INSTALLING, detail="downloading x.tar.gz (16 MB)"
+            ),
         },
         labels={"zone": "eu"},
         fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0"])],
@@ -387,12 +400,20 @@ def catalog(n: int, seed: int = 11) -> list[PlacementRequest]:
     for i in range(n):
         cls, count = rnd.choice(CLASSES)
         if cls is None:
-            out.append(cpu(f"cpu-{i}", min_memory_gb=rnd.choice([None, 4, 24]),
-                           node_selector=rnd.choice([{}, {"zone": "eu"}])))
+            out.append(
+                cpu(f"cpu-{i}", min_memory_gb=rnd.choice([None, 4, 24]), node_selector=rnd.choice([{}, {"zone": "eu"}]))
+            )
         else:
-            out.append(gpu(f"gpu-{i}", cls=cls, tp=rnd.choice([1, 2, count]),
-                           nodes=rnd.choice([1, 1, 1, 2]), min_memory_gb=rnd.choice([None, 24]),
-                           disk_gb=rnd.choice([None, 50])))
+            out.append(
+                gpu(
+                    f"gpu-{i}",
+                    cls=cls,
+                    tp=rnd.choice([1, 2, count]),
+                    nodes=rnd.choice([1, 1, 1, 2]),
+                    min_memory_gb=rnd.choice([None, 24]),
+                    disk_gb=rnd.choice([None, 50]),
+                )
+            )
     return out
 
 

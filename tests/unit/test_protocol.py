@@ -9,6 +9,7 @@ from llmgw import protocol as p
 from llmgw.protocol import (
     FEATURES,
     GPU,
+    HCA,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
@@ -19,7 +20,6 @@ from llmgw.protocol import (
     FetchProgress,
     GPUFabric,
     GPUUsage,
-    HCA,
     Heartbeat,
     Host,
     IBPort,
@@ -49,44 +49,115 @@ from llmgw.protocol import (
 
 def _inventory() -> NodeInventory:
     return NodeInventory(
-        host=Host(hostname="gpu01", os_id="ubuntu", os_version="24.04", family="debian", arch="amd64",
-                  cpus=224, cpu_flags=["avx2", "avx512f"], nvidia_driver="550.90.07"),
+        host=Host(
+            hostname="gpu01",
+            os_id="ubuntu",
+            os_version="24.04",
+            family="debian",
+            arch="amd64",
+            cpus=224,
+            cpu_flags=["avx2", "avx512f"],
+            nvidia_driver="550.90.07",
+        ),
         memory=MemoryInfo(total_bytes=2 << 40, available_bytes=1 << 40),
-        storage=[Storage(mount_point="/mnt/lustre", fstype="lustre", shared=True, total_bytes=10, free_bytes=5,
-                         dirs=["/mnt/lustre/models"])],
-        gpus=[GPU(index=0, name="NVIDIA H100 80GB HBM3", memory_total_bytes=81559 << 20, compute_capability="9.0",
-                  nvlink_peers=[NVLinkPeer(index=1, links=18)], nic_paths={"mlx5_0": "PXB"},
-                  fabric=GPUFabric(state="Completed", cluster_uuid="00000000-0000-0000-0000-000000000000"))],
+        storage=[
+            Storage(
+                mount_point="/mnt/lustre",
+                fstype="lustre",
+                shared=True,
+                total_bytes=10,
+                free_bytes=5,
+                dirs=["/mnt/lustre/models"],
+            )
+        ],
+        gpus=[
+            GPU(
+                index=0,
+                name="NVIDIA H100 80GB HBM3",
+                memory_total_bytes=81559 << 20,
+                compute_capability="9.0",
+                nvlink_peers=[NVLinkPeer(index=1, links=18)],
+                nic_paths={"mlx5_0": "PXB"},
+                fabric=GPUFabric(state="Completed", cluster_uuid="00000000-0000-0000-0000-000000000000"),
+            )
+        ],
         gpu_source="nvml",
-        adapters=[HCA(name="mlx5_0", node_guid="0x0c42a1030045bd6c", ports=[
-            IBPort(hca="mlx5_0", port=1, state="ACTIVE", rate_gbps=400.0, counters={"symbol_error": 0})])],
+        adapters=[
+            HCA(
+                name="mlx5_0",
+                node_guid="0x0c42a1030045bd6c",
+                ports=[IBPort(hca="mlx5_0", port=1, state="ACTIVE", rate_gbps=400.0, counters={"symbol_error": 0})],
+            )
+        ],
     )
 
 
 def _every_message() -> list[p.Message]:
-    start = StartShard(id="s-1", shard_id="r1-0", replica_id="r1", model="qwen", engine="vllm",
-                       engine_version="0.30.0", source="Qwen/Qwen2.5-7B-Instruct", gpus=[0, 1], http_port=8001,
-                       rank=0, nnodes=2, leader_addr="10.0.0.1", leader_port=29500, hcas=["mlx5_0"],
-                       profile=EngineProfile(tensor_parallel=2, args=["--enforce-eager"], env={"NCCL_DEBUG": "INFO"}),
-                       pool="ib-a/h100-80g", fabric="ib-a", profile_fp="abc123")
+    start = StartShard(
+        id="s-1",
+        shard_id="r1-0",
+        replica_id="r1",
+        model="qwen",
+        engine="vllm",
+        engine_version="0.30.0",
+        source="Qwen/Qwen2.5-7B-Instruct",
+        gpus=[0, 1],
+        http_port=8001,
+        rank=0,
+        nnodes=2,
+        leader_addr="10.0.0.1",
+        leader_port=29500,
+        hcas=["mlx5_0"],
+        profile=EngineProfile(tensor_parallel=2, args=["--enforce-eager"], env={"NCCL_DEBUG": "INFO"}),
+        pool="ib-a/h100-80g",
+        fabric="ib-a",
+        profile_fp="abc123",
+    )
     return [
-        Register(id="reg-1", node_id="gpu01", protocol_version=PROTOCOL_VERSION, agent_version="0.1.0",
-                 features=list(FEATURES), inventory=_inventory(), installable_engines=["llamacpp", "vllm"],
-                 engine_versions={}, labels={"rack": "r12"}, mgmt_addr="10.0.0.1", mgmt_interface="bond0",
-                 fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0"], rate_gbps=400)],
-                 shards=[RunningShard(shard_id="r1-0", state=ShardState.READY, pid=4242, spec=start.model_copy(update={"id": None}))]),
-        Heartbeat(node_id="gpu01", memory=MemoryInfo(total_bytes=100, available_bytes=40),
-                  load=NodeLoad(cpu_percent=12.5, cpu_count=224, load1=1.0, shards=[ShardLoad(shard_id="r1-0", cpu_cores=2.5)]),
-                  gpus=[GPUUsage(index=0, memory_used_bytes=1 << 30, utilization_percent=40)],
-                  provision=[ProvisionStatus(engine="llamacpp", version="b10991", state="installing",
-                                             progress={"bytes_done": 10})],
-                  shards=[]),
-        ShardStatus(shard_id="r1-0", state="failed", reason="exited with status 1", output_tail=["CUDA out of memory"],
-                    fetch=FetchProgress(source="http://mirror/x.gguf", bytes_done=5, bytes_total=10)),
+        Register(
+            id="reg-1",
+            node_id="gpu01",
+            protocol_version=PROTOCOL_VERSION,
+            agent_version="0.1.0",
+            features=list(FEATURES),
+            inventory=_inventory(),
+            installable_engines=["llamacpp", "vllm"],
+            engine_versions={},
+            labels={"rack": "r12"},
+            mgmt_addr="10.0.0.1",
+            mgmt_interface="bond0",
+            fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0"], rate_gbps=400)],
+            shards=[
+                RunningShard(
+                    shard_id="r1-0", state=ShardState.READY, pid=4242, spec=start.model_copy(update={"id": None})
+                )
+            ],
+        ),
+        Heartbeat(
+            node_id="gpu01",
+            memory=MemoryInfo(total_bytes=100, available_bytes=40),
+            load=NodeLoad(
+                cpu_percent=12.5, cpu_count=224, load1=1.0, shards=[ShardLoad(shard_id="r1-0", cpu_cores=2.5)]
+            ),
+            gpus=[GPUUsage(index=0, memory_used_bytes=1 << 30, utilization_percent=40)],
+            provision=[
+                ProvisionStatus(engine="llamacpp", version="b10991", state="installing", progress={"bytes_done": 10})
+            ],
+            shards=[],
+        ),
+        ShardStatus(
+            shard_id="r1-0",
+            state="failed",
+            reason="exited with status 1",
+            output_tail=["CUDA out of memory"],
+            fetch=FetchProgress(source="http://mirror/x.gguf", bytes_done=5, bytes_total=10),
+        ),
         start,
         StopShard(id="s-2", shard_id="r1-0", reason="scaled to zero", timeout_s=60),
         DrainShard(shard_id="r1-0", timeout_s=300),
-        Provision(id="p-1", engines=[EngineWant(engine="llamacpp", version="b10991", source_url="http://mirror/releases")]),
+        Provision(
+            id="p-1", engines=[EngineWant(engine="llamacpp", version="b10991", source_url="http://mirror/releases")]
+        ),
         LogsRequest(id="l-1", source="agent", lines=200),
         LogsReply(id="l-1", lines=["a", "b"], sources=["agent", "r1-0"]),
         RemoveWeights(id="w-1", paths=["/var/lib/llmgw-weights/abc.gguf"]),
@@ -120,18 +191,20 @@ def test_none_fields_are_left_out_of_the_wire():
 
 
 def test_unknown_fields_from_a_newer_peer_are_ignored_at_every_level():
-    data = orjson.dumps({
-        "type": "heartbeat",
-        "id": "h1",
-        "sent_at": "2030-01-01T00:00:00Z",  # envelope field this side does not know
-        "payload": {
-            "node_id": "gpu01",
-            "quantum_load": 0.5,
-            "load": {"cpu_percent": 50.0, "cpu_temperature_c": 71},
-            "gpus": [{"index": 0, "utilization_percent": 3, "power_watts": 700}],
-            "provision": [{"engine": "vllm", "state": "ready", "eta_s": 0}],
-        },
-    })
+    data = orjson.dumps(
+        {
+            "type": "heartbeat",
+            "id": "h1",
+            "sent_at": "2030-01-01T00:00:00Z",  # envelope field this side does not know
+            "payload": {
+                "node_id": "gpu01",
+                "quantum_load": 0.5,
+                "load": {"cpu_percent": 50.0, "cpu_temperature_c": 71},
+                "gpus": [{"index": 0, "utilization_percent": 3, "power_watts": 700}],
+                "provision": [{"engine": "vllm", "state": "ready", "eta_s": 0}],
+            },
+        }
+    )
     hb = decode(data)
     assert isinstance(hb, Heartbeat)
     assert hb.id == "h1" and hb.node_id == "gpu01"
@@ -157,10 +230,30 @@ def test_an_absent_field_is_unknown_not_a_default():
 
 
 def test_every_optional_field_of_every_model_defaults_to_none():
-    models = set(MESSAGE_TYPES) | {NodeInventory, Host, MemoryInfo, NodeLoad, ShardLoad, Storage, GPU, GPUUsage,
-                                   GPUFabric, NVLinkPeer, HCA, IBPort, p.IMEX, p.NodeSample, ProvisionStatus,
-                                   EngineWant, EngineProfile, FabricAttachment, RunningShard, FetchProgress,
-                                   p.LocalWeights, p.ByteProgress}
+    models = set(MESSAGE_TYPES) | {
+        NodeInventory,
+        Host,
+        MemoryInfo,
+        NodeLoad,
+        ShardLoad,
+        Storage,
+        GPU,
+        GPUUsage,
+        GPUFabric,
+        NVLinkPeer,
+        HCA,
+        IBPort,
+        p.IMEX,
+        p.NodeSample,
+        ProvisionStatus,
+        EngineWant,
+        EngineProfile,
+        FabricAttachment,
+        RunningShard,
+        FetchProgress,
+        p.LocalWeights,
+        p.ByteProgress,
+    }
     for model in models:
         for name, field in model.model_fields.items():
             if not field.is_required():
@@ -177,8 +270,10 @@ def test_every_optional_field_of_every_model_defaults_to_none():
         (b'{"payload": {}}', 'has no "type"'),
         (b'{"type": "reboot_node", "id": "7"}', 'unknown message type "reboot_node"'),
         (b'{"type": "register", "payload": {"protocol_version": 1}}', "field node_id is required but missing"),
-        (b'{"type": "register", "payload": {"node_id": "n", "protocol_version": "1"}}',
-         'field protocol_version: Input should be a valid integer (got "1")'),
+        (
+            b'{"type": "register", "payload": {"node_id": "n", "protocol_version": "1"}}',
+            'field protocol_version: Input should be a valid integer (got "1")',
+        ),
         (b'{"type": "heartbeat", "payload": {"gpus": [{"index": 0}, {"index": "one"}]}}', "field gpus[1].index"),
         (b'{"type": "heartbeat", "payload": {"load": {"cpu_percent": true}}}', "field load.cpu_percent"),
         (b'{"type": "shard_status", "payload": {"shard_id": "a", "state": "exploded"}}', "field state"),
@@ -246,10 +341,14 @@ def test_progress_without_a_total_invents_no_percentage():
 def test_helpers_on_the_inventory_models():
     assert MemoryInfo(total_bytes=10, available_bytes=4).used_bytes == 6
     assert MemoryInfo(total_bytes=10).used_bytes is None
-    joined = GPUFabric(state="Completed", status="Success", cluster_uuid="76B1AD76-7c24-4b6b-9f6c-2a1e0d8c11aa", clique_id="32766")
+    joined = GPUFabric(
+        state="Completed", status="Success", cluster_uuid="76B1AD76-7c24-4b6b-9f6c-2a1e0d8c11aa", clique_id="32766"
+    )
     assert joined.domain == "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/32766"
     assert GPUFabric(state="In Progress", cluster_uuid="76b1ad76-7c24").domain is None
-    assert GPUFabric(state="Completed", cluster_uuid="00000000-0000-0000-0000-000000000000", clique_id="0").domain is None
+    assert (
+        GPUFabric(state="Completed", cluster_uuid="00000000-0000-0000-0000-000000000000", clique_id="0").domain is None
+    )
     inv = _inventory()
     assert [x.hca for x in inv.ib_ports] == ["mlx5_0"] and inv.ib_ports[0].active
     assert IBPort(hca="mlx5_2", port=1, link_layer="Ethernet").is_roce

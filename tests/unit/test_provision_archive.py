@@ -34,14 +34,17 @@ def link(name: str, target: str, kind=tarfile.SYMTYPE) -> tarfile.TarInfo:
 
 
 def test_a_release_tree_is_unpacked_with_links_and_modes(tmp_path):
-    arc = write_tar(tmp_path / "a.tar.gz", [
-        ("./rel/bin/llama-server", b"#!/bin/sh\n", 0o4755),  # setuid bit dropped
-        ("rel/lib/libggml.so.0.1", b"so", 0o644),
-        link("rel/lib/libggml.so.0", "libggml.so.0.1"),
-        link("rel/lib/libggml.so", "libggml.so.0"),
-        link("rel/bin/lib", "../lib"),
-        link("rel/lib/copy", "rel/lib/libggml.so.0.1", tarfile.LNKTYPE),
-    ])
+    arc = write_tar(
+        tmp_path / "a.tar.gz",
+        [
+            ("./rel/bin/llama-server", b"#!/bin/sh\n", 0o4755),  # setuid bit dropped
+            ("rel/lib/libggml.so.0.1", b"so", 0o644),
+            link("rel/lib/libggml.so.0", "libggml.so.0.1"),
+            link("rel/lib/libggml.so", "libggml.so.0"),
+            link("rel/bin/lib", "../lib"),
+            link("rel/lib/copy", "rel/lib/libggml.so.0.1", tarfile.LNKTYPE),
+        ],
+    )
     dest = tmp_path / "out"
     names = unpack(arc, dest)
     assert "rel/bin/llama-server" in names
@@ -81,28 +84,34 @@ def test_nothing_is_written_when_a_later_entry_is_refused(tmp_path):
     assert not (tmp_path / "evil").exists()
 
 
-@pytest.mark.parametrize("name, words", [
-    ("/etc/cron.d/x", "is an absolute path"),
-    ("a/../../x", "climbs out"),
-    ("..", "climbs out"),
-    ("a\\..\\..\\x", "backslash"),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("/etc/cron.d/x", "is an absolute path"),
+        ("a/../../x", "climbs out"),
+        ("..", "climbs out"),
+        ("a\\..\\..\\x", "backslash"),
+    ],
+)
 def test_bad_names_are_refused(name, words):
     with pytest.raises(ArchiveError, match=words):
         clean_name("r.tar.gz", name)
 
 
-def test_clean_names():
+def test_archive_member_names_are_normalised():
     assert clean_name("r", "./a//b/./c") == "a/b/c"
     assert clean_name("r", "./") == ""
 
 
-@pytest.mark.parametrize("mode, words", [
-    (0o020644, "is a device file"),
-    (0o060644, "is a device file"),
-    (0o010644, "is a FIFO"),
-    (0o140644, "is a socket"),
-])
+@pytest.mark.parametrize(
+    "mode, words",
+    [
+        (0o020644, "is a device file"),
+        (0o060644, "is a device file"),
+        (0o010644, "is a FIFO"),
+        (0o140644, "is a socket"),
+    ],
+)
 def test_special_files_in_a_zip_are_refused(tmp_path, mode, words):
     path = tmp_path / "a.zip"
     with zipfile.ZipFile(path, "w") as zf:

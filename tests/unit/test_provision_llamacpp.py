@@ -22,18 +22,17 @@ from aiohttp import web
 
 from llmgw.agent.provision import llamacpp_source
 from llmgw.agent.provision.host import HostFacts, detect
-from llmgw.agent.provision.llamacpp_release import (
-    DEFAULT_BASE_URL, ReleaseSource, choose_build, slow_cpu_note)
+from llmgw.agent.provision.llamacpp_release import DEFAULT_BASE_URL, ReleaseSource, choose_build, slow_cpu_note
 from llmgw.agent.provision.manager import Installer, Want
 from llmgw.agent.provision.os_packages import PackageInstaller
 from llmgw.agent.provision.runner import CommandResult, run_command
-from llmgw.agent.provision.status import ProvisionError, State, Unsupported
+from llmgw.agent.provision.status import ProvisionError, Unsupported
 from llmgw.agent.provision.verify import MARKER, read_marker
+from llmgw.protocol import ProvisionState
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "provision"
 UBUNTU = HostFacts(arch="amd64", os_id="ubuntu", cpu_flags=frozenset({"avx2", "sse4_2"}))
-ROCKY = HostFacts(arch="amd64", os_id="rocky", os_like=("rhel", "centos", "fedora"),
-                  cpu_flags=frozenset({"avx2"}))
+ROCKY = HostFacts(arch="amd64", os_id="rocky", os_like=("rhel", "centos", "fedora"), cpu_flags=frozenset({"avx2"}))
 TAG = "b1"
 CPU_ASSET = f"llama-{TAG}-bin-ubuntu-x64"
 
@@ -50,15 +49,22 @@ exit 1
 # ----------------------------------------------------------------- archives
 
 
-def tar_gz(files: dict[str, str], *, symlinks: dict[str, str] | None = None,
-           extra: list[tarfile.TarInfo] | None = None, links_first: bool = False) -> bytes:
+def tar_gz(
+    files: dict[str, str],
+    *,
+    symlinks: dict[str, str] | None = None,
+    extra: list[tarfile.TarInfo] | None = None,
+    links_first: bool = False,
+) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+
         def add_links():
             for name, target in (symlinks or {}).items():
                 ti = tarfile.TarInfo(name)
                 ti.type, ti.linkname = tarfile.SYMTYPE, target
                 tf.addfile(ti)
+
         if links_first:
             add_links()
         for name, body in files.items():
@@ -78,18 +84,20 @@ def zip_bytes(files: dict[str, str], *, symlinks: dict[str, str] | None = None) 
     with zipfile.ZipFile(buf, "w") as zf:
         for name, body in files.items():
             zi = zipfile.ZipInfo(name)
-            zi.external_attr = (0o100755 << 16)
+            zi.external_attr = 0o100755 << 16
             zf.writestr(zi, body)
         for name, target in (symlinks or {}).items():
             zi = zipfile.ZipInfo(name)
-            zi.external_attr = (0o120777 << 16)
+            zi.external_attr = 0o120777 << 16
             zf.writestr(zi, target)
     return buf.getvalue()
 
 
 def good_release() -> bytes:
-    return tar_gz({f"llama-{TAG}/llama-server": FAKE_SERVER, f"llama-{TAG}/libllama.so.0": "x"},
-                  symlinks={f"llama-{TAG}/libllama.so": "libllama.so.0"})
+    return tar_gz(
+        {f"llama-{TAG}/llama-server": FAKE_SERVER, f"llama-{TAG}/libllama.so.0": "x"},
+        symlinks={f"llama-{TAG}/libllama.so": "libllama.so.0"},
+    )
 
 
 def sha(b: bytes) -> str:
@@ -163,7 +171,7 @@ class FakeSystem:
         if name in ("apt-get", "dnf", "yum", "zypper"):
             if "install" in argv:
                 i = argv.index("install")
-                self.installed.update(a for a in argv[i + 1:] if not a.startswith("-"))
+                self.installed.update(a for a in argv[i + 1 :] if not a.startswith("-"))
             return CommandResult(0, "")
         if name == "ldd" and self.ldd is not None:
             return CommandResult(0, self.ldd)
@@ -173,14 +181,16 @@ class FakeSystem:
         return [c for c in self.calls if c[0] == name]
 
 
-def make_installer(tmp_path: Path, release: ReleaseServer, system: FakeSystem, host=UBUNTU,
-                   **source_kw) -> tuple[Installer, list]:
+def make_installer(
+    tmp_path: Path, release: ReleaseServer, system: FakeSystem, host=UBUNTU, **source_kw
+) -> tuple[Installer, list]:
     seen: list = []
     tools = {"apt-get", "dnf"} if host is UBUNTU else {"dnf"}
     packages = PackageInstaller(system, which=lambda t: f"/usr/bin/{t}" if t in tools else None)
     source = ReleaseSource(base_url=source_kw.pop("base_url", release.url), **source_kw)
-    inst = Installer(tmp_path / "engines", host, on_status=seen.append, run=system,
-                     packages=packages, llamacpp_source=source)
+    inst = Installer(
+        tmp_path / "engines", host, on_status=seen.append, run=system, packages=packages, llamacpp_source=source
+    )
     return inst, seen
 
 
@@ -199,7 +209,7 @@ async def test_an_engine_is_installed_from_nothing(tmp_path, release):
 
     [st] = await inst.converge([Want("llamacpp", TAG)])
 
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert st.variant == "cpu"
     assert st.detail.startswith("llama-server version: 10991 (abc1234)")
     assert "avx2" not in st.detail  # this CPU has it
@@ -217,7 +227,7 @@ async def test_an_engine_is_installed_from_nothing(tmp_path, release):
     downloading = [s for s in seen if "downloading" in s.detail]
     assert downloading and downloading[0].detail.startswith(f"downloading {CPU_ASSET}.tar.gz")
     assert any(s.bytes_total == len(release.files[f"/{TAG}/{CPU_ASSET}.tar.gz"]) for s in downloading)
-    assert seen[-1].state == State.READY and seen[-1].bytes_done is None
+    assert seen[-1].state == ProvisionState.READY and seen[-1].bytes_done is None
 
     m = read_marker(target)
     assert m is not None
@@ -245,7 +255,7 @@ async def test_a_build_that_does_not_run_gets_no_marker_and_no_directory(tmp_pat
     release.publish(TAG, CPU_ASSET + ".tar.gz", broken)
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert "llama-server --version` failed (exit 132): Illegal instruction" in st.detail
     assert leftovers(tmp_path / "engines") == []
 
@@ -259,7 +269,7 @@ async def test_an_installed_engine_is_checked_not_fetched_again(tmp_path, releas
 
     [again] = await inst.converge([Want("llamacpp", TAG)])
 
-    assert again.state == State.READY
+    assert again.state == ProvisionState.READY
     assert len(release.requests) == requests, "a ready engine was downloaded again"
     assert len(seen) == reports, "a recheck that changed nothing was reported"
     # It was run again, not believed.
@@ -267,7 +277,7 @@ async def test_an_installed_engine_is_checked_not_fetched_again(tmp_path, releas
     # And a fresh agent (no memory of the last pass) also only checks.
     inst2, _ = make_installer(tmp_path, release, system)
     [st] = await inst2.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY and len(release.requests) == requests
+    assert st.state == ProvisionState.READY and len(release.requests) == requests
 
 
 async def test_an_install_changed_on_disk_is_installed_again(tmp_path, release):
@@ -279,7 +289,7 @@ async def test_an_install_changed_on_disk_is_installed_again(tmp_path, release):
 
     [again] = await inst.converge([Want("llamacpp", TAG)])
 
-    assert again.state == State.READY
+    assert again.state == ProvisionState.READY
     assert len(release.requests) > before
     assert "version: 10991" in Path(again.binary).read_text()
 
@@ -290,6 +300,7 @@ async def test_check_reverifies_an_install(tmp_path, release):
     inst, _ = make_installer(tmp_path, release, system)
     await inst.converge([Want("llamacpp", TAG)])
     from llmgw.agent.provision.verify import installed_at
+
     installed = installed_at(tmp_path / "engines" / "llamacpp" / f"{TAG}-cpu")
     assert installed is not None
     assert await inst.llamacpp.check(installed) == "version: 10991 (abc1234)"
@@ -301,12 +312,17 @@ async def test_check_reverifies_an_install(tmp_path, release):
 
 async def test_a_zip_release_installs(tmp_path, release):
     # Older releases publish .zip; no .tar.gz (nor its .sha256) exists.
-    release.publish(TAG, CPU_ASSET + ".zip",
-                    zip_bytes({"build/bin/llama-server": FAKE_SERVER, "build/bin/libggml.so.0": "x"},
-                              symlinks={"build/bin/libggml.so": "libggml.so.0"}))
+    release.publish(
+        TAG,
+        CPU_ASSET + ".zip",
+        zip_bytes(
+            {"build/bin/llama-server": FAKE_SERVER, "build/bin/libggml.so.0": "x"},
+            symlinks={"build/bin/libggml.so": "libggml.so.0"},
+        ),
+    )
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert st.binary.endswith("/build/bin/llama-server")
     assert os.readlink(Path(st.binary).parent / "libggml.so") == "libggml.so.0"
 
@@ -314,22 +330,27 @@ async def test_a_zip_release_installs(tmp_path, release):
 async def test_an_explicit_sha256_is_used_and_checked(tmp_path, release):
     body = good_release()
     release.publish(TAG, CPU_ASSET + ".tar.gz", body, checksum=None)  # no sidecar at all
-    inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}),
-                             expected_sha256={CPU_ASSET + ".tar.gz": "SHA256:" + sha(body).upper()})
+    inst, _ = make_installer(
+        tmp_path,
+        release,
+        FakeSystem({"libgomp1"}),
+        expected_sha256={CPU_ASSET + ".tar.gz": "SHA256:" + sha(body).upper()},
+    )
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
 
-    inst, _ = make_installer(tmp_path / "b", release, FakeSystem({"libgomp1"}),
-                             expected_sha256={CPU_ASSET + ".tar.gz": "0" * 64})
+    inst, _ = make_installer(
+        tmp_path / "b", release, FakeSystem({"libgomp1"}), expected_sha256={CPU_ASSET + ".tar.gz": "0" * 64}
+    )
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED and "does not match the checksum" in st.detail
+    assert st.state == ProvisionState.FAILED and "does not match the checksum" in st.detail
 
 
 async def test_a_release_without_a_published_checksum_is_refused(tmp_path, release):
     release.publish(TAG, CPU_ASSET + ".tar.gz", good_release(), checksum=None)
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert "no checksum is published" in st.detail and ".sha256" in st.detail
     assert not any(r.endswith(".tar.gz") for r in release.requests), "downloaded unchecked"
     assert leftovers(tmp_path / "engines") == []
@@ -338,39 +359,45 @@ async def test_a_release_without_a_published_checksum_is_refused(tmp_path, relea
 async def test_checksums_from_the_github_api(tmp_path, release):
     body = good_release()
     release.publish(TAG, CPU_ASSET + ".tar.gz", body, checksum=None)
-    api = {"assets": [{"name": CPU_ASSET + ".tar.gz", "digest": "sha256:" + sha(body)},
-                      {"name": "other.zip", "digest": None}]}
+    api = {
+        "assets": [
+            {"name": CPU_ASSET + ".tar.gz", "digest": "sha256:" + sha(body)},
+            {"name": "other.zip", "digest": None},
+        ]
+    }
     release.files[f"/api/{TAG}"] = json.dumps(api).encode()
-    inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}),
-                             api_url=release.url + "/api/{tag}")
+    inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}), api_url=release.url + "/api/{tag}")
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert f"/api/{TAG}" in release.requests
 
     # An asset GitHub lists without a digest cannot be verified.
     api["assets"][0]["digest"] = None
     release.files[f"/api/{TAG}"] = json.dumps(api).encode()
-    inst, _ = make_installer(tmp_path / "b", release, FakeSystem({"libgomp1"}),
-                             api_url=release.url + "/api/{tag}")
+    inst, _ = make_installer(tmp_path / "b", release, FakeSystem({"libgomp1"}), api_url=release.url + "/api/{tag}")
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED and "publishes no" in st.detail and "cannot be verified" in st.detail
+    assert st.state == ProvisionState.FAILED and "publishes no" in st.detail and "cannot be verified" in st.detail
 
 
 def test_the_github_api_is_asked_only_for_github():
-    assert ReleaseSource().api_release_url("b9") == \
-        "https://api.github.com/repos/ggml-org/llama.cpp/releases/tags/b9"
+    assert ReleaseSource().api_release_url("b9") == "https://api.github.com/repos/ggml-org/llama.cpp/releases/tags/b9"
     assert ReleaseSource().asset_url("b9", "x.tar.gz") == f"{DEFAULT_BASE_URL}/b9/x.tar.gz"
     assert ReleaseSource(base_url="http://mirror:8081/llama.cpp/").api_release_url("b9") is None
-    assert ReleaseSource(base_url="http://mirror:8081/llama.cpp/").asset_url("b9", "x") == \
-        "http://mirror:8081/llama.cpp/b9/x"
+    assert (
+        ReleaseSource(base_url="http://mirror:8081/llama.cpp/").asset_url("b9", "x")
+        == "http://mirror:8081/llama.cpp/b9/x"
+    )
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"base_url": "ftp://mirror/llama"}, "is not an http(s) URL"),
-    ({"base_url": "mirror/llama"}, "is not an http(s) URL"),
-    ({"variant": "rocm"}, "variant 'rocm' is unknown"),
-    ({"expected_sha256": {"a.tar.gz": "abc"}}, "is not 64 hexadecimal digits"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"base_url": "ftp://mirror/llama"}, "is not an http(s) URL"),
+        ({"base_url": "mirror/llama"}, "is not an http(s) URL"),
+        ({"variant": "rocm"}, "variant 'rocm' is unknown"),
+        ({"expected_sha256": {"a.tar.gz": "abc"}}, "is not 64 hexadecimal digits"),
+    ],
+)
 def test_bad_release_configuration_is_refused_with_words(kw, words):
     with pytest.raises(ProvisionError, match=words.replace("(", r"\(").replace(")", r"\)")):
         ReleaseSource(**kw)
@@ -386,7 +413,7 @@ async def test_a_tampered_archive_is_refused_and_nothing_installed(tmp_path, rel
     release.files[f"/{TAG}/{CPU_ASSET}.tar.gz"] = tar_gz({f"llama-{TAG}/llama-server": "#!/bin/sh\nrm -rf /\n"})
     inst, seen = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert "does not match the checksum its publisher gave" in st.detail
     assert "it was not installed" in st.detail
     assert leftovers(tmp_path / "engines") == []
@@ -415,28 +442,34 @@ EVIL = {
     "dotdot": (tar_gz({**SERVER, "../evil": "x"}), "'../evil' climbs out of the install directory"),
     "deep-dotdot": (tar_gz({**SERVER, f"llama-{TAG}/../../../evil": "x"}), "climbs out"),
     "absolute": (tar_gz({**SERVER, "/tmp/llmgw-evil": "x"}), "is an absolute path"),
-    "symlink-out": (tar_gz(SERVER, symlinks={f"llama-{TAG}/etc": "../../../../etc"}),
-                    "outside the install directory"),
-    "symlink-absolute": (tar_gz(SERVER, symlinks={f"llama-{TAG}/etc": "/etc"}),
-                         "is a link to the absolute path '/etc'"),
+    "symlink-out": (tar_gz(SERVER, symlinks={f"llama-{TAG}/etc": "../../../../etc"}), "outside the install directory"),
+    "symlink-absolute": (
+        tar_gz(SERVER, symlinks={f"llama-{TAG}/etc": "/etc"}),
+        "is a link to the absolute path '/etc'",
+    ),
     # A link to somewhere harmless, then a file written "through" it.
-    "write-through-link": (tar_gz({**SERVER, f"llama-{TAG}/lib/evil": "x"},
-                                  symlinks={f"llama-{TAG}/lib": "."}, links_first=True),
-                           "lies beneath the link 'llama-b1/lib'"),
-    "link-over-directory": (tar_gz({**SERVER, f"llama-{TAG}/lib/evil": "x"},
-                                   symlinks={f"llama-{TAG}/lib": "."}),
-                            "is both a directory and a symlink"),
+    "write-through-link": (
+        tar_gz({**SERVER, f"llama-{TAG}/lib/evil": "x"}, symlinks={f"llama-{TAG}/lib": "."}, links_first=True),
+        "lies beneath the link 'llama-b1/lib'",
+    ),
+    "link-over-directory": (
+        tar_gz({**SERVER, f"llama-{TAG}/lib/evil": "x"}, symlinks={f"llama-{TAG}/lib": "."}),
+        "is both a directory and a symlink",
+    ),
     # Each link looks harmless alone; together they lead out.
-    "link-chain-out": (tar_gz(SERVER, symlinks={f"llama-{TAG}/b": "..", f"llama-{TAG}/a": "b/.."}),
-                       "leads outside the install directory"),
+    "link-chain-out": (
+        tar_gz(SERVER, symlinks={f"llama-{TAG}/b": "..", f"llama-{TAG}/a": "b/.."}),
+        "leads outside the install directory",
+    ),
     "device": (tar_gz(SERVER, extra=[_device()]), "is a device file"),
     "fifo": (tar_gz(SERVER, extra=[_fifo()]), "is a FIFO"),
-    "hardlink-out": (tar_gz(SERVER, extra=[_hardlink("../../etc/passwd")]),
-                     "'llama-b1/hard' is a hard link to '../../etc/passwd', outside"),
+    "hardlink-out": (
+        tar_gz(SERVER, extra=[_hardlink("../../etc/passwd")]),
+        "'llama-b1/hard' is a hard link to '../../etc/passwd', outside",
+    ),
     "hardlink-absolute": (tar_gz(SERVER, extra=[_hardlink("/etc/shadow")]), "is a hard link to '/etc/shadow'"),
     "zip-dotdot": (zip_bytes({**SERVER, "../evil": "x"}), "climbs out"),
-    "zip-symlink-out": (zip_bytes(SERVER, symlinks={f"llama-{TAG}/etc": "../../etc"}),
-                        "outside the install directory"),
+    "zip-symlink-out": (zip_bytes(SERVER, symlinks={f"llama-{TAG}/etc": "../../etc"}), "outside the install directory"),
 }
 
 
@@ -447,7 +480,7 @@ async def test_an_archive_cannot_write_outside_its_directory(tmp_path, release, 
     release.publish(TAG, CPU_ASSET + suffix, body)
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED, st
+    assert st.state == ProvisionState.FAILED, st
     assert words in st.detail, st.detail
     assert f"{CPU_ASSET}{suffix} is refused" in st.detail
     assert leftovers(tmp_path / "engines") == []
@@ -462,9 +495,10 @@ async def test_an_engine_that_cannot_load_a_library_is_not_ready(tmp_path, relea
     ldd = (FIXTURES / "ldd-cuda-build-without-driver.txt").read_text()
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}, ldd=ldd))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED
-    assert st.detail == ("llama-server cannot run on this system: "
-                         "libcuda.so.1 not found: the NVIDIA driver is not installed")
+    assert st.state == ProvisionState.FAILED
+    assert st.detail == (
+        "llama-server cannot run on this system: libcuda.so.1 not found: the NVIDIA driver is not installed"
+    )
     assert leftovers(tmp_path / "engines") == []
 
 
@@ -473,7 +507,7 @@ async def test_a_system_too_old_for_the_build_says_what_it_lacks(tmp_path, relea
     ldd = (FIXTURES / "ldd-rhel9-glibcxx-too-old.txt").read_text()
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}, ldd=ldd))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert "libstdc++.so.6 is too old (needs GLIBCXX_3.4.30)" in st.detail
     assert st.detail.count("GLIBCXX") == 1
 
@@ -483,7 +517,7 @@ async def test_the_real_ldd_output_of_our_build_passes(tmp_path, release):
     ldd = (FIXTURES / "ldd-llama-server-0.3.36-debian12.txt").read_text()
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}, ldd=ldd))
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
 
 
 # ----------------------------------------------------------------- hardware
@@ -496,8 +530,7 @@ def test_the_build_follows_the_hardware():
 
     gpu = choose_build("b10991", HostFacts(arch="amd64", nvidia_driver="570.86.15"))
     assert gpu.variant == "cuda-12.8"
-    assert gpu.assets == ("llama-b10991-bin-ubuntu-cuda-12.8-x64",
-                          "cudart-llama-b10991-bin-ubuntu-cuda-12.8-x64")
+    assert gpu.assets == ("llama-b10991-bin-ubuntu-cuda-12.8-x64", "cudart-llama-b10991-bin-ubuntu-cuda-12.8-x64")
 
     # arm64 GPU nodes get the CPU build (the arm64 CUDA build wants a newer CUDA).
     arm = choose_build("b10991", HostFacts(arch="arm64", nvidia_driver="580.65.06"))
@@ -528,23 +561,20 @@ def test_a_cpu_without_avx2_is_called_out():
 
 async def test_a_slow_cpu_is_named_in_the_ready_detail(tmp_path, release):
     release.publish(TAG, CPU_ASSET + ".tar.gz", good_release())
-    inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}),
-                             host=UBUNTU)
+    inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}), host=UBUNTU)
     inst.llamacpp.host = HostFacts(arch="amd64", os_id="ubuntu", cpu_flags=frozenset())
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY and "this CPU lacks avx2" in st.detail
+    assert st.state == ProvisionState.READY and "this CPU lacks avx2" in st.detail
 
 
 async def test_a_gpu_node_installs_the_cuda_build_and_its_runtime(tmp_path, release):
     stem = "bin-ubuntu-cuda-12.8-x64"
-    release.publish(TAG, f"llama-{TAG}-{stem}.tar.gz",
-                    tar_gz({f"llama-{TAG}/llama-server": FAKE_SERVER}))
-    release.publish(TAG, f"cudart-llama-{TAG}-{stem}.tar.gz",
-                    tar_gz({f"llama-{TAG}/libcudart.so.12": "x"}))
+    release.publish(TAG, f"llama-{TAG}-{stem}.tar.gz", tar_gz({f"llama-{TAG}/llama-server": FAKE_SERVER}))
+    release.publish(TAG, f"cudart-llama-{TAG}-{stem}.tar.gz", tar_gz({f"llama-{TAG}/libcudart.so.12": "x"}))
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     inst.llamacpp.host = HostFacts(arch="amd64", os_id="ubuntu", nvidia_driver="570.86.15")
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY and st.variant == "cuda-12.8", st
+    assert st.state == ProvisionState.READY and st.variant == "cuda-12.8", st
     target = tmp_path / "engines" / "llamacpp" / f"{TAG}-cuda-12.8"
     assert (target / f"llama-{TAG}" / "libcudart.so.12").is_file()
     assert len(read_marker(target).sha256) == 2
@@ -556,13 +586,11 @@ def test_the_driver_is_read_from_proc(tmp_path):
     (tmp_path / "etc/os-release").write_text('ID=rocky\nID_LIKE="rhel centos fedora"\n')
     (tmp_path / "proc/cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2\n")
     assert detect(tmp_path).nvidia_driver == ""  # no version file: no driver loaded
-    (tmp_path / "proc/driver/nvidia/version").write_text(
-        (FIXTURES / "nvidia-version-open-580.txt").read_text())
+    (tmp_path / "proc/driver/nvidia/version").write_text((FIXTURES / "nvidia-version-open-580.txt").read_text())
     h = detect(tmp_path)
     assert h.nvidia_driver == "580.65.06" and h.family == "rpm" and h.has_cpu_flag("avx2")
     assert choose_build("b1", HostFacts(arch="amd64", nvidia_driver=h.nvidia_driver)).variant.startswith("cuda")
-    (tmp_path / "proc/driver/nvidia/version").write_text(
-        (FIXTURES / "nvidia-version-proprietary-550.txt").read_text())
+    (tmp_path / "proc/driver/nvidia/version").write_text((FIXTURES / "nvidia-version-proprietary-550.txt").read_text())
     assert detect(tmp_path).nvidia_driver == "550.54.15"
 
 
@@ -571,7 +599,7 @@ async def test_a_red_hat_family_node_installs_with_its_own_package_manager(tmp_p
     system = FakeSystem()
     inst, _ = make_installer(tmp_path, release, system, host=ROCKY)
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert "libgomp" in system.installed and "libgomp1" not in system.installed
     assert system.commands("dnf") == [["dnf", "install", "-y", "libgomp"]]
 
@@ -604,12 +632,13 @@ async def test_unreachable_releases_fall_back_to_a_source_build(tmp_path, releas
     inst.llamacpp.build_from_source = fake_build
     [st] = await inst.converge([Want("llamacpp", TAG)])
 
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert st.variant == "source-cpu"
     assert "built from the llama.cpp source in llama-cpp-python" in st.detail
     assert "cannot reach 127.0.0.1" in st.detail
-    target = tmp_path / "engines" / "llamacpp" / (
-        f"llama-cpp-python-{llamacpp_source.LLAMA_CPP_PYTHON_VERSION}-source-cpu")
+    target = (
+        tmp_path / "engines" / "llamacpp" / (f"llama-cpp-python-{llamacpp_source.LLAMA_CPP_PYTHON_VERSION}-source-cpu")
+    )
     assert st.binary == str(target / "bin" / "llama-server")
     m = read_marker(target)
     assert m.source == "source" and m.sha256 == {llamacpp_source.SDIST_FILENAME: llamacpp_source.SDIST_SHA256}
@@ -619,41 +648,42 @@ async def test_unreachable_releases_fall_back_to_a_source_build(tmp_path, releas
     # uses the build it has rather than building again.
     phases.clear()
     [again] = await inst.converge([Want("llamacpp", TAG)])
-    assert again.state == State.READY and phases == []
+    assert again.state == ProvisionState.READY and phases == []
 
 
 async def test_a_failed_source_build_says_both_reasons(tmp_path, release):
     def failing(progress):
-        raise llamacpp_source.ProvisionError("building llama-server needs cmake, which is not installed")
+        raise ProvisionError("building llama-server needs cmake, which is not installed")
 
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}), base_url=_closed_port_url())
     inst.llamacpp.build_from_source = failing
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert "cannot reach" in st.detail and "needs cmake" in st.detail
     assert leftovers(tmp_path / "engines") == []
 
 
 async def test_the_source_build_can_be_turned_off(tmp_path, release):
-    inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}), base_url=_closed_port_url(),
-                             allow_source_build=False)
+    inst, _ = make_installer(
+        tmp_path, release, FakeSystem({"libgomp1"}), base_url=_closed_port_url(), allow_source_build=False
+    )
     inst.llamacpp.build_from_source = lambda progress: pytest.fail("built from source")
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED and "cannot reach 127.0.0.1" in st.detail
+    assert st.state == ProvisionState.FAILED and "cannot reach 127.0.0.1" in st.detail
 
 
 async def test_a_missing_release_is_not_a_reason_to_build(tmp_path, release):
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     inst.llamacpp.build_from_source = lambda progress: pytest.fail("built from source")
     [st] = await inst.converge([Want("llamacpp", "b99999")])
-    assert st.state == State.FAILED and "no checksum is published" in st.detail
+    assert st.state == ProvisionState.FAILED and "no checksum is published" in st.detail
 
 
 async def test_the_control_plane_can_name_a_mirror(tmp_path, release):
     release.publish(f"mirror/{TAG}", CPU_ASSET + ".tar.gz", good_release())
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}), base_url=_closed_port_url())
     [st] = await inst.converge([Want("llamacpp", TAG, source_url=release.url + "/mirror")])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert f"/mirror/{TAG}/{CPU_ASSET}.tar.gz" in release.requests
 
 
@@ -669,7 +699,7 @@ async def test_the_locally_built_llama_server_installs_like_a_release(tmp_path, 
     system = FakeSystem({"libgomp1"})
     inst, _ = make_installer(tmp_path, release, system)
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert st.detail.startswith("llama-server version: ")
     # ldd really ran on it (and found every library).
     assert any(c[0] == "ldd" for c in system.calls)
@@ -691,7 +721,7 @@ async def test_a_download_cut_short_is_retried_later_not_built_from_source(tmp_p
     release.files.pop(f"/{TAG}/{CPU_ASSET}.tar.gz")
     release.special = {f"/{TAG}/{CPU_ASSET}.tar.gz": truncated}
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.FAILED, st
+    assert st.state == ProvisionState.FAILED, st
     assert "was cut short" in st.detail or "ended after 100" in st.detail
     assert leftovers(tmp_path / "engines") == []
 
@@ -707,5 +737,5 @@ async def test_a_mirror_in_trouble_counts_as_unreachable(tmp_path, release):
     inst, _ = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     inst.llamacpp.build_from_source = lambda progress: built
     [st] = await inst.converge([Want("llamacpp", TAG)])
-    assert st.state == State.READY and st.variant == "source-cpu", st
+    assert st.state == ProvisionState.READY and st.variant == "source-cpu", st
     assert "answered 503" in st.detail

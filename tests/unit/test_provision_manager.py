@@ -8,8 +8,9 @@ import pytest
 
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import INSTALLABLE, ConvergeLoop, Installer, Want
-from llmgw.agent.provision.status import (NotHere, ProvisionError, ProvisionStatus, Reporter, State,
-                                          Unsupported)
+from llmgw.agent.provision.status import NotHere, ProvisionError, ProvisionStatus, Reporter, Unsupported
+from llmgw.protocol import ProvisionState
+from llmgw.testing.waiting import async_until
 
 HOST = HostFacts(arch="amd64", os_id="ubuntu", cpu_flags=frozenset({"avx2"}))
 
@@ -41,7 +42,7 @@ class SlowLlama:
                     raise self.error
                 self.installs += 1
                 self.installed = True
-            reporter.update(state=State.READY, detail="llama-server version: 1", binary="/x/llama-server")
+            reporter.update(state=ProvisionState.READY, detail="llama-server version: 1", binary="/x/llama-server")
         finally:
             self.running -= 1
 
@@ -55,20 +56,20 @@ def make(llama=None):
 async def test_an_engine_the_agent_cannot_install_says_so():
     inst, seen = make()
     [st] = await inst.converge([Want("tgi", "3.0.0")])
-    assert st.state == State.UNSUPPORTED and "install it by hand" in st.detail
+    assert st.state == ProvisionState.UNSUPPORTED and "install it by hand" in st.detail
     assert seen[-1] == st
 
 
 async def test_an_empty_version_leaves_the_engine_to_the_operator():
     inst, _ = make()
     [st] = await inst.converge([Want("vllm", "")])
-    assert st.state == State.SKIPPED and "named in its configuration" in st.detail
+    assert st.state == ProvisionState.SKIPPED and "named in its configuration" in st.detail
 
 
 async def test_states_and_progress_are_reported_as_they_change():
     inst, seen = make()
     [st] = await inst.converge([Want("llamacpp", "b1")])
-    assert st.state == State.READY and st.binary == "/x/llama-server"
+    assert st.state == ProvisionState.READY and st.binary == "/x/llama-server"
     states = [(s.state.value, s.detail, s.bytes_done) for s in seen]
     assert states[0][0] == "installing"
     assert ("installing", "downloading llama-b1.tar.gz", 0) in states
@@ -83,19 +84,22 @@ async def test_one_install_per_engine_at_a_time():
     inst, _ = make(llama)
     first = asyncio.create_task(inst.ensure(Want("llamacpp", "b1")))
     second = asyncio.create_task(inst.ensure(Want("llamacpp", "b1")))
-    await asyncio.sleep(0.05)
+    await async_until(lambda: llama.running, what="the first install running")
+    await asyncio.sleep(0.05)  # a pause in which a second install would start, were it let
     assert llama.running == 1
     llama.release.set()
     a, b = await asyncio.gather(first, second)
-    assert a.state == b.state == State.READY
+    assert a.state == b.state == ProvisionState.READY
     assert llama.most == 1 and llama.installs == 1
 
 
 async def test_failures_keep_the_agent_running_with_words():
-    for error, state in [(ProvisionError("it broke"), State.FAILED),
-                         (Unsupported("too old"), State.UNSUPPORTED),
-                         (NotHere("not for this node"), State.SKIPPED),
-                         (ValueError("a bug"), State.FAILED)]:
+    for error, state in [
+        (ProvisionError("it broke"), ProvisionState.FAILED),
+        (Unsupported("too old"), ProvisionState.UNSUPPORTED),
+        (NotHere("not for this node"), ProvisionState.SKIPPED),
+        (ValueError("a bug"), ProvisionState.FAILED),
+    ]:
         llama = SlowLlama()
         llama.error = error
         inst, seen = make(llama)
@@ -110,19 +114,26 @@ async def test_a_broken_listener_does_not_fail_the_install():
 
     inst = Installer("/x", HOST, on_status=listener, llamacpp=SlowLlama())
     [st] = await inst.converge([Want("llamacpp", "b1")])
-    assert st.state == State.READY
+    assert st.state == ProvisionState.READY
 
 
 def test_the_status_matches_the_protocol():
-    st = ProvisionStatus("llamacpp", "b1", State.INSTALLING, "downloading x", "cpu",
-                         bytes_done=5, bytes_total=None)
+    st = ProvisionStatus(
+        "llamacpp", "b1", ProvisionState.INSTALLING, "downloading x", "cpu", bytes_done=5, bytes_total=None
+    )
     wire = st.to_wire()
-    assert wire == {"engine": "llamacpp", "version": "b1", "variant": "cpu", "state": "installing",
-                    "detail": "downloading x", "progress": {"bytes_done": 5}}
+    assert wire == {
+        "engine": "llamacpp",
+        "version": "b1",
+        "variant": "cpu",
+        "state": "installing",
+        "detail": "downloading x",
+        "progress": {"bytes_done": 5},
+    }
     protocol = pytest.importorskip("llmgw.protocol")
     parsed = protocol.ProvisionStatus.model_validate(wire)
     assert parsed.state.value == "installing" and parsed.progress.bytes_total is None
-    ready = ProvisionStatus("vllm", "0.30.0", State.SKIPPED, "has none").to_wire()
+    ready = ProvisionStatus("vllm", "0.30.0", ProvisionState.SKIPPED, "has none").to_wire()
     assert protocol.ProvisionStatus.model_validate(ready).detail == "has none"
     assert set(INSTALLABLE) == {"llamacpp", "vllm", "sglang"}
 
@@ -130,8 +141,9 @@ def test_the_status_matches_the_protocol():
 def test_progress_is_rate_limited_but_changes_of_words_are_not():
     now = [0.0]
     sent: list[ProvisionStatus] = []
-    r = Reporter(ProvisionStatus("e", "1", State.INSTALLING), sent.append, min_interval=1.0,
-                 clock=lambda: now[0])
+    r = Reporter(
+        ProvisionStatus("e", "1", ProvisionState.INSTALLING), sent.append, min_interval=1.0, clock=lambda: now[0]
+    )
     r.installing("downloading a")
     for done in range(1, 10):
         r.progress(done, 100)  # same instant: only the first goes out
@@ -148,8 +160,8 @@ def test_progress_is_rate_limited_but_changes_of_words_are_not():
 
 def test_the_loop_backs_off_after_failure_and_rechecks_every_ten_minutes():
     loop = ConvergeLoop(Installer("/x", HOST, llamacpp=SlowLlama()))
-    failed = [ProvisionStatus("llamacpp", "b1", State.FAILED, "x")]
-    ok = [ProvisionStatus("llamacpp", "b1", State.READY, "x")]
+    failed = [ProvisionStatus("llamacpp", "b1", ProvisionState.FAILED, "x")]
+    ok = [ProvisionStatus("llamacpp", "b1", ProvisionState.READY, "x")]
     assert [loop.next_delay(failed) for _ in range(6)] == [60, 120, 240, 480, 600, 600]
     assert loop.next_delay(ok) == 600
     assert loop.next_delay(failed) == 60
@@ -161,13 +173,10 @@ async def test_the_loop_runs_a_pass_when_the_wanted_set_changes():
     loop = ConvergeLoop(inst, recheck=0.05)
     task = asyncio.create_task(loop.run())
     try:
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # time passes to show nothing runs while nothing is wanted
         assert loop.passes == 0  # nothing wanted yet
         loop.want([Want("llamacpp", "b1")])
-        for _ in range(100):
-            if loop.passes >= 3:
-                break
-            await asyncio.sleep(0.02)
+        await async_until(lambda: loop.passes >= 3, what="three passes of the loop")
         assert loop.passes >= 3, "the ten-minute recheck (here 50 ms) did not run"
         assert llama.installs == 1
     finally:

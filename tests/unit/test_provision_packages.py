@@ -9,14 +9,22 @@ from llmgw.agent.provision.os_packages import PackageInstaller, install_plan, lo
 from llmgw.agent.provision.runner import CommandResult
 from llmgw.agent.provision.status import ProvisionError
 
-APT_LISTS_LOCK = "E: Could not get lock /var/lib/apt/lists/lock. It is held by process 812 (apt-get)\n" \
-                 "E: Unable to lock directory /var/lib/apt/lists/\n"
-DPKG_FRONTEND = "E: Could not get lock /var/lib/dpkg/lock-frontend. It is held by process 812 (unattended-upgr)\n" \
-                "E: Unable to acquire the dpkg frontend lock (/var/lib/dpkg/lock-frontend), is another process using it?\n"
-NOT_ROOT = "E: Could not open lock file /var/lib/dpkg/lock-frontend - open (13: Permission denied)\n" \
-           "E: Unable to acquire the dpkg frontend lock (/var/lib/dpkg/lock-frontend), are you root?\n"
-ZYPPER_LOCK = "System management is locked by the application with pid 2301 (zypper).\n" \
-              "Close this application before trying again.\n"
+APT_LISTS_LOCK = (
+    "E: Could not get lock /var/lib/apt/lists/lock. It is held by process 812 (apt-get)\n"
+    "E: Unable to lock directory /var/lib/apt/lists/\n"
+)
+DPKG_FRONTEND = (
+    "E: Could not get lock /var/lib/dpkg/lock-frontend. It is held by process 812 (unattended-upgr)\n"
+    "E: Unable to acquire the dpkg frontend lock (/var/lib/dpkg/lock-frontend), is another process using it?\n"
+)
+NOT_ROOT = (
+    "E: Could not open lock file /var/lib/dpkg/lock-frontend - open (13: Permission denied)\n"
+    "E: Unable to acquire the dpkg frontend lock (/var/lib/dpkg/lock-frontend), are you root?\n"
+)
+ZYPPER_LOCK = (
+    "System management is locked by the application with pid 2301 (zypper).\n"
+    "Close this application before trying again.\n"
+)
 DNF_LOCK = "Waiting for process with pid 4121 to finish.\n"
 
 
@@ -34,11 +42,17 @@ class Machine:
         argv = list(argv)
         self.calls.append((argv, dict(env or {})))
         if argv[0] == "dpkg-query":
-            return CommandResult(0, "ii ") if argv[-1] in self.installed else \
-                CommandResult(1, f"dpkg-query: no packages found matching {argv[-1]}")
+            return (
+                CommandResult(0, "ii ")
+                if argv[-1] in self.installed
+                else CommandResult(1, f"dpkg-query: no packages found matching {argv[-1]}")
+            )
         if argv[0] == "rpm":
-            return CommandResult(0, argv[-1]) if argv[-1] in self.installed else \
-                CommandResult(1, f"package {argv[-1]} is not installed")
+            return (
+                CommandResult(0, argv[-1])
+                if argv[-1] in self.installed
+                else CommandResult(1, f"package {argv[-1]} is not installed")
+            )
         if self.fail_output is not None:
             return CommandResult(100, self.fail_output)
         if self.locked > 0:
@@ -46,7 +60,7 @@ class Machine:
             return CommandResult(100, self.lock_message)
         if "install" in argv:
             i = argv.index("install")
-            self.installed.update(a for a in argv[i + 1:] if not a.startswith("-"))
+            self.installed.update(a for a in argv[i + 1 :] if not a.startswith("-"))
         return CommandResult(0, "")
 
     def tool_calls(self):
@@ -68,8 +82,9 @@ class Clock:
 
 def installer(machine, tools=("apt-get",), clock=None):
     clock = clock or Clock()
-    return PackageInstaller(machine, which=lambda t: f"/usr/bin/{t}" if t in tools else None,
-                            sleep=clock.sleep, clock=clock), clock
+    return PackageInstaller(
+        machine, which=lambda t: f"/usr/bin/{t}" if t in tools else None, sleep=clock.sleep, clock=clock
+    ), clock
 
 
 GOMP = {"deb": ["libgomp1"], "rpm": ["libgomp"]}
@@ -184,7 +199,7 @@ async def test_a_bad_package_name_is_refused_before_anything_runs():
     assert m.calls == []
 
 
-def test_lock_messages():
+def test_package_manager_lock_messages_are_recognised_as_busy():
     assert lock_held(APT_LISTS_LOCK) and lock_held(DPKG_FRONTEND) and lock_held(ZYPPER_LOCK)
     assert lock_held(DNF_LOCK)
     assert not lock_held("E: Unable to locate package foo")
@@ -192,19 +207,19 @@ def test_lock_messages():
 
 def test_families_from_os_release():
     for text, family in [
-        ('ID=ubuntu\nID_LIKE=debian\n', "deb"),
-        ('ID=debian\n', "deb"),
+        ("ID=ubuntu\nID_LIKE=debian\n", "deb"),
+        ("ID=debian\n", "deb"),
         ('ID=pop\nID_LIKE="ubuntu debian"\n', "deb"),
         ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "rpm"),
         ('ID="almalinux"\nID_LIKE="rhel centos fedora"\n', "rpm"),
         ('ID="opensuse-leap"\nID_LIKE="suse opensuse"\n', "rpm"),
-        ('ID=arch\n', None),
+        ("ID=arch\n", None),
     ]:
         os_id, like = parse_os_release(text)
         assert HostFacts(arch="amd64", os_id=os_id, os_like=like).family == family, text
 
 
-def test_install_plans():
+def test_an_install_plan_uses_a_present_package_tool_or_there_is_none():
     which = {"apt-get"}.__contains__
     plan = install_plan("deb", ["a", "b"], lambda t: t if which(t) else None)
     assert plan is not None and plan.tool == "apt-get" and plan.commands[1][-2:] == ("a", "b")

@@ -11,7 +11,7 @@ import hashlib
 import io
 import json
 import tarfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -21,20 +21,35 @@ from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import Installer, Want
 from llmgw.agent.provision.os_packages import PackageInstaller
 from llmgw.agent.provision.python_engines import (
-    LOCK_NAME, UV_VERSION, PythonEngineInstaller, choose_build, compile_command, cuda_gate,
-    exclude_newer, install_command, uv_env, venv_command)
+    LOCK_NAME,
+    UV_VERSION,
+    PythonEngineInstaller,
+    choose_build,
+    compile_command,
+    cuda_gate,
+    exclude_newer,
+    install_command,
+    uv_env,
+    venv_command,
+)
 from llmgw.agent.provision.runner import CommandResult, run_command
-from llmgw.agent.provision.status import NotHere, ProvisionError, State, Unsupported
+from llmgw.agent.provision.status import NotHere, ProvisionError, Unsupported
+from llmgw.protocol import ProvisionState
 
 GPU_NODE = HostFacts(arch="amd64", os_id="ubuntu", nvidia_driver="580.65.06", min_compute_capability=8.0)
 CPU_NODE = HostFacts(arch="amd64", os_id="ubuntu", cpu_flags=frozenset({"avx2"}))
 UV_ASSET = "uv-x86_64-unknown-linux-gnu.tar.gz"
 FAKE_UV = f'#!/bin/sh\n[ "$1" = "--version" ] && echo "uv {UV_VERSION}" && exit 0\nexit 2\n'
-PYPI_VLLM = {"info": {"name": "vllm"}, "urls": [
-    {"filename": "vllm-0.30.0-cp38-abi3-manylinux_2_31_x86_64.whl",
-     "upload_time_iso_8601": "2026-09-22T05:22:21.647189Z"},
-    {"filename": "vllm-0.30.0.tar.gz", "upload_time_iso_8601": "2026-09-22T05:23:10.039243Z"},
-]}
+PYPI_VLLM = {
+    "info": {"name": "vllm"},
+    "urls": [
+        {
+            "filename": "vllm-0.30.0-cp38-abi3-manylinux_2_31_x86_64.whl",
+            "upload_time_iso_8601": "2026-09-22T05:22:21.647189Z",
+        },
+        {"filename": "vllm-0.30.0.tar.gz", "upload_time_iso_8601": "2026-09-22T05:23:10.039243Z"},
+    ],
+}
 
 
 def uv_archive() -> bytes:
@@ -55,8 +70,7 @@ async def servers():
         f"/uv/{UV_VERSION}/{UV_ASSET}": archive,
         f"/uv/{UV_VERSION}/{UV_ASSET}.sha256": f"{hashlib.sha256(archive).hexdigest()} *{UV_ASSET}\n".encode(),
         "/pypi/vllm/0.30.0/json": json.dumps(PYPI_VLLM).encode(),
-        "/pypi/sglang/0.5.20/json": json.dumps({"urls": [
-            {"upload_time_iso_8601": "2026-09-01T10:00:00Z"}]}).encode(),
+        "/pypi/sglang/0.5.20/json": json.dumps({"urls": [{"upload_time_iso_8601": "2026-09-01T10:00:00Z"}]}).encode(),
     }
     requests: list[str] = []
 
@@ -92,7 +106,7 @@ class FakeUV:
             return CommandResult(0, "ii ") if argv[-1] in self.installed else CommandResult(1, "")
         if argv[0] == "apt-get":
             if "install" in argv:
-                self.installed.update(a for a in argv[argv.index("install") + 1:] if not a.startswith("-"))
+                self.installed.update(a for a in argv[argv.index("install") + 1 :] if not a.startswith("-"))
             return CommandResult(0, "")
         if argv[0].endswith("/uv") and argv[1] == "venv":
             venv = Path(argv[-1])
@@ -109,7 +123,7 @@ class FakeUV:
                 return CommandResult(1, self.fail_install)
             venv = Path(argv[argv.index("--python") + 1]).parent.parent
             vllm = venv / "bin" / "vllm"
-            vllm.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 0.30.0\n")
+            vllm.write_text('#!/bin/sh\n[ "$1" = --version ] && echo 0.30.0\n')
             vllm.chmod(0o755)
             # SGLang is proved by importing it with the environment's python.
             (venv / "bin" / "python").write_text("#!/bin/sh\necho sglang 0.5.20\n")
@@ -124,49 +138,95 @@ def make(tmp_path, servers, system, host=GPU_NODE, free=100.0):
     url, _ = servers
     seen: list = []
     packages = PackageInstaller(system, which=lambda t: "/usr/bin/apt-get" if t == "apt-get" else None)
-    python = PythonEngineInstaller(tmp_path / "engines", host, run=system, packages=packages,
-                                   pypi_base=url, uv_base_url=url + "/uv", free_space=lambda p: free)
-    inst = Installer(tmp_path / "engines", host, on_status=seen.append, run=system,
-                     packages=packages, python=python)
+    python = PythonEngineInstaller(
+        tmp_path / "engines",
+        host,
+        run=system,
+        packages=packages,
+        pypi_base=url,
+        uv_base_url=url + "/uv",
+        free_space=lambda p: free,
+    )
+    inst = Installer(tmp_path / "engines", host, on_status=seen.append, run=system, packages=packages, python=python)
     return inst, seen
 
 
 # ----------------------------------------------------------------- commands
 
 
-def test_uv_commands():
+def test_uv_commands_make_a_relocatable_venv_and_install_only_hashed_pins():
     uv, py, lock = Path("/e/uv/uv"), Path("/e/vllm/v/bin/python"), Path("/e/vllm/v/" + LOCK_NAME)
     assert venv_command(uv, "3.12", Path("/e/vllm/v")) == [
-        "/e/uv/uv", "venv", "--relocatable", "--python", "3.12", "/e/vllm/v"]
+        "/e/uv/uv",
+        "venv",
+        "--relocatable",
+        "--python",
+        "3.12",
+        "/e/vllm/v",
+    ]
     assert compile_command(uv, py, "2026-09-23T05:23:10Z", lock) == [
-        "/e/uv/uv", "pip", "compile", "--python", str(py), "--exclude-newer", "2026-09-23T05:23:10Z",
-        "--generate-hashes", "--quiet", "--output-file", str(lock), "-"]
+        "/e/uv/uv",
+        "pip",
+        "compile",
+        "--python",
+        str(py),
+        "--exclude-newer",
+        "2026-09-23T05:23:10Z",
+        "--generate-hashes",
+        "--quiet",
+        "--output-file",
+        str(lock),
+        "-",
+    ]
     assert install_command(uv, py, lock) == [
-        "/e/uv/uv", "pip", "install", "--python", str(py), "--require-hashes", "--no-deps", "-r", str(lock)]
-    assert uv_env(Path("/e")) == {"UV_CACHE_DIR": "/e/.uv-cache", "UV_PYTHON_INSTALL_DIR": "/e/python",
-                                  "UV_PYTHON_PREFERENCE": "only-managed", "UV_NO_CONFIG": "1"}
+        "/e/uv/uv",
+        "pip",
+        "install",
+        "--python",
+        str(py),
+        "--require-hashes",
+        "--no-deps",
+        "-r",
+        str(lock),
+    ]
+    assert uv_env(Path("/e")) == {
+        "UV_CACHE_DIR": "/e/.uv-cache",
+        "UV_PYTHON_INSTALL_DIR": "/e/python",
+        "UV_PYTHON_PREFERENCE": "only-managed",
+        "UV_NO_CONFIG": "1",
+    }
 
 
 def test_resolution_is_as_pypi_stood_a_day_after_the_last_file():
     assert exclude_newer([u["upload_time_iso_8601"] for u in PYPI_VLLM["urls"]]) == "2026-09-23T05:23:10Z"
-    assert exclude_newer([datetime(2026, 1, 31, 23, 0, tzinfo=timezone.utc)]) == "2026-02-01T23:00:00Z"
+    assert exclude_newer([datetime(2026, 1, 31, 23, 0, tzinfo=UTC)]) == "2026-02-01T23:00:00Z"
     with pytest.raises(ProvisionError):
         exclude_newer([])
 
 
-@pytest.mark.parametrize("host, exc, words", [
-    (CPU_NODE, NotHere, "runs on NVIDIA GPUs and this node has none"),
-    (HostFacts(arch="amd64", nvidia_driver="550.54.15"), Unsupported, "needs NVIDIA driver 580 or newer; this node has 550.54.15"),
-    (HostFacts(arch="amd64", nvidia_driver="580.65.06", min_compute_capability=7.0), Unsupported,
-     "compute capability 7.5 and newer; this node has one of 7.0"),
-    (HostFacts(arch="ppc64el", nvidia_driver="580.65.06"), Unsupported, "no Linux build for ppc64el"),
-])
+@pytest.mark.parametrize(
+    "host, exc, words",
+    [
+        (CPU_NODE, NotHere, "runs on NVIDIA GPUs and this node has none"),
+        (
+            HostFacts(arch="amd64", nvidia_driver="550.54.15"),
+            Unsupported,
+            "needs NVIDIA driver 580 or newer; this node has 550.54.15",
+        ),
+        (
+            HostFacts(arch="amd64", nvidia_driver="580.65.06", min_compute_capability=7.0),
+            Unsupported,
+            "compute capability 7.5 and newer; this node has one of 7.0",
+        ),
+        (HostFacts(arch="ppc64el", nvidia_driver="580.65.06"), Unsupported, "no Linux build for ppc64el"),
+    ],
+)
 def test_vllm_is_not_for_every_node(host, exc, words):
     with pytest.raises(exc, match=words):
         cuda_gate("vLLM", host)
 
 
-def test_builds():
+def test_engine_builds_are_chosen_per_version_and_host_and_bad_versions_refused():
     b = choose_build("vllm", "0.30.0", GPU_NODE)
     assert (b.variant, b.python, b.requirements, b.engine.binary) == ("cu13", "3.12", ("vllm==0.30.0",), "vllm")
     assert b.packages == {"deb": ("gcc",), "rpm": ("gcc",)} and b.free_gb == 25
@@ -185,7 +245,7 @@ async def test_vllm_is_installed_on_a_gpu_node(tmp_path, servers):
     inst, seen = make(tmp_path, servers, system)
     [st] = await inst.converge([Want("vllm", "0.30.0")])
 
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     target = tmp_path / "engines" / "vllm" / "0.30.0-cu13"
     assert st.binary == str(target / "bin" / "vllm") and st.variant == "cu13"
     assert st.detail == "vllm 0.30.0"
@@ -214,26 +274,32 @@ async def test_vllm_is_installed_on_a_gpu_node(tmp_path, servers):
     # The next pass checks, and installs nothing.
     before = len(system.uv_calls())
     [again] = await inst.converge([Want("vllm", "0.30.0")])
-    assert again.state == State.READY and len(system.uv_calls()) == before
+    assert again.state == ProvisionState.READY and len(system.uv_calls()) == before
 
 
 async def test_sglang_is_proved_by_importing_it(tmp_path, servers):
     system = FakeUV()
     inst, _ = make(tmp_path, servers, system)
     [st] = await inst.converge([Want("sglang", "0.5.20")])
-    assert st.state == State.READY, st
+    assert st.state == ProvisionState.READY, st
     assert st.binary.endswith("/sglang/0.5.20-cu13/bin/python") and st.detail == "python sglang 0.5.20"
     # Proved in its scratch directory before the rename.
     proof = [c for c, _, _ in system.calls if c[0].endswith("/bin/python")]
     assert proof and proof[-1][1:] == ["-c", "import sglang; print('sglang', sglang.__version__)"]
 
 
-@pytest.mark.parametrize("host, state, words", [
-    (CPU_NODE, State.SKIPPED, "has none"),
-    (HostFacts(arch="amd64", os_id="ubuntu", nvidia_driver="550.54.15"), State.UNSUPPORTED, "driver 580"),
-    (HostFacts(arch="amd64", os_id="ubuntu", nvidia_driver="580.65.06", min_compute_capability=7.0),
-     State.UNSUPPORTED, "7.5"),
-])
+@pytest.mark.parametrize(
+    "host, state, words",
+    [
+        (CPU_NODE, ProvisionState.SKIPPED, "has none"),
+        (HostFacts(arch="amd64", os_id="ubuntu", nvidia_driver="550.54.15"), ProvisionState.UNSUPPORTED, "driver 580"),
+        (
+            HostFacts(arch="amd64", os_id="ubuntu", nvidia_driver="580.65.06", min_compute_capability=7.0),
+            ProvisionState.UNSUPPORTED,
+            "7.5",
+        ),
+    ],
+)
 async def test_a_node_that_cannot_run_it_touches_nothing(tmp_path, servers, host, state, words):
     _, requests = servers
     system = FakeUV(installed=())
@@ -248,7 +314,7 @@ async def test_a_python_engine_is_refused_without_the_disk_for_it(tmp_path, serv
     _, requests = servers
     inst, _ = make(tmp_path, servers, FakeUV(), free=12.5)
     [st] = await inst.converge([Want("vllm", "0.30.0")])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert "needs about 25 GB free" in st.detail and "there are 12.5 GB" in st.detail
     assert requests == []
 
@@ -258,7 +324,7 @@ async def test_a_failed_python_install_leaves_nothing_that_looks_installed(tmp_p
     inst, _ = make(tmp_path, servers, system)
     (tmp_path / "engines" / ".uv-cache").mkdir(parents=True)
     [st] = await inst.converge([Want("vllm", "0.30.0")])
-    assert st.state == State.FAILED and "Hash mismatch" in st.detail
+    assert st.state == ProvisionState.FAILED and "Hash mismatch" in st.detail
     assert list((tmp_path / "engines" / "vllm").iterdir()) == []
     assert (tmp_path / "engines" / ".uv-cache").exists(), "the cache is kept for the next attempt"
 
@@ -266,17 +332,24 @@ async def test_a_failed_python_install_leaves_nothing_that_looks_installed(tmp_p
 async def test_a_version_pypi_does_not_have_is_said_so(tmp_path, servers):
     inst, _ = make(tmp_path, servers, FakeUV())
     [st] = await inst.converge([Want("vllm", "9.9.9")])
-    assert st.state == State.FAILED and "PyPI has no vllm 9.9.9" in st.detail
+    assert st.state == ProvisionState.FAILED and "PyPI has no vllm 9.9.9" in st.detail
 
 
 async def test_a_uv_without_a_checksum_is_refused(tmp_path, servers):
     url, _ = servers
     system = FakeUV()
     packages = PackageInstaller(system, which=lambda t: None)
-    python = PythonEngineInstaller(tmp_path / "e", GPU_NODE, run=system, packages=packages,
-                                   pypi_base=url, uv_base_url=url + "/nowhere", free_space=lambda p: 100)
+    python = PythonEngineInstaller(
+        tmp_path / "e",
+        GPU_NODE,
+        run=system,
+        packages=packages,
+        pypi_base=url,
+        uv_base_url=url + "/nowhere",
+        free_space=lambda p: 100,
+    )
     inst = Installer(tmp_path / "e", GPU_NODE, run=system, packages=packages, python=python)
     [st] = await inst.converge([Want("vllm", "0.30.0")])
-    assert st.state == State.FAILED
+    assert st.state == ProvisionState.FAILED
     assert st.detail.startswith("installing uv, which installs the Python engines: no checksum")
     assert system.uv_calls() == []

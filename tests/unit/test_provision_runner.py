@@ -34,11 +34,12 @@ async def test_a_timeout_kills_the_command_and_what_it_started():
 
 
 async def test_input_and_environment():
-    r = await run_command(["sh", "-c", 'cat; echo "$LLMGW_TEST_VALUE"'], stdin="vllm==0.30.0\n",
-                          env={"LLMGW_TEST_VALUE": "seen"})
+    r = await run_command(
+        ["sh", "-c", 'cat; echo "$LLMGW_TEST_VALUE"'], stdin="vllm==0.30.0\n", env={"LLMGW_TEST_VALUE": "seen"}
+    )
     assert r.ok and r.output.split() == ["vllm==0.30.0", "seen"]
 
 
-def test_last_lines():
+def test_last_lines_joins_the_last_four_non_empty_lines():
     assert last_lines("a\n\nb\nc\nd\ne\n") == "b / c / d / e"
     assert last_lines("") == ""

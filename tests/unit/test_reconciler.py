@@ -10,11 +10,11 @@ import pytest
 from llmgw.config.server import ModelConfig, ServerConfig
 from llmgw.protocol import (
     GPU,
-    FabricAttachment,
     PROTOCOL_VERSION,
     Ack,
     DrainShard,
     EngineProfile,
+    FabricAttachment,
     FetchProgress,
     MemoryInfo,
     NodeInventory,
@@ -64,16 +64,36 @@ class Fleet:
     async def _send(self, node_id, msg):
         self.sent.append((node_id, msg))
 
-    def add(self, node_id: str, *, gpus: int = 0, memory_gb: float = 64, labels=None,
-            shards: list[RunningShard] | None = None, engines=("llamacpp", "vllm"), fabrics=None) -> None:
-        inv = NodeInventory(memory=MemoryInfo(total_bytes=int(memory_gb * GiB)),
-                            gpus=[GPU(index=i, **H100) for i in range(gpus)])
+    def add(
+        self,
+        node_id: str,
+        *,
+        gpus: int = 0,
+        memory_gb: float = 64,
+        labels=None,
+        shards: list[RunningShard] | None = None,
+        engines=("llamacpp", "vllm"),
+        fabrics=None,
+    ) -> None:
+        inv = NodeInventory(
+            memory=MemoryInfo(total_bytes=int(memory_gb * GiB)), gpus=[GPU(index=i, **H100) for i in range(gpus)]
+        )
         self.connected.add(node_id)
-        self.svc._apply_register(Register(
-            node_id=node_id, protocol_version=PROTOCOL_VERSION, agent_version="t",
-            features=["logs", "remove-weights", "drain"], inventory=inv,
-            engine_versions={e: "1" for e in engines}, labels=labels or {},
-            mgmt_addr=f"10.0.0.{len(self.connected)}", shards=shards or [], fabrics=fabrics), "10.9.9.9")
+        self.svc._apply_register(
+            Register(
+                node_id=node_id,
+                protocol_version=PROTOCOL_VERSION,
+                agent_version="t",
+                features=["logs", "remove-weights", "drain"],
+                inventory=inv,
+                engine_versions=dict.fromkeys(engines, "1"),
+                labels=labels or {},
+                mgmt_addr=f"10.0.0.{len(self.connected)}",
+                shards=shards or [],
+                fabrics=fabrics,
+            ),
+            "10.9.9.9",
+        )
 
     def report(self, node_id: str, shard_id: str, state: ShardState, **kw) -> None:
         node = self.svc.get(node_id)
@@ -86,8 +106,20 @@ class Fleet:
         return [(n, m) for n, m in self.sent if isinstance(m, (StopShard, DrainShard))]
 
 
-def model(name="m", *, min=1, max=None, gpu=False, idle="10m", tp=1, memory=None, selector=None,
-          startup="30m", profiles=None, **extra) -> ModelConfig:
+def model(
+    name="m",
+    *,
+    min=1,
+    max=None,
+    gpu=False,
+    idle="10m",
+    tp=1,
+    memory=None,
+    selector=None,
+    startup="30m",
+    profiles=None,
+    **extra,
+) -> ModelConfig:
     profile = {"engine": "vllm", "gpu_class": "h100-80g", "tp": tp} if gpu else {"engine": "llamacpp"}
     profile["startup_timeout"] = startup
     if memory:
@@ -97,18 +129,27 @@ def model(name="m", *, min=1, max=None, gpu=False, idle="10m", tp=1, memory=None
     scaling = {"min": min, "idle_timeout": idle}
     if max is not None:
         scaling["max"] = max
-    return ModelConfig.model_validate({"name": name, "source": "https://example.com/m.gguf" if not gpu else "org/m",
-                                       "scaling": scaling, "profiles": profiles or [profile], **extra})
+    return ModelConfig.model_validate(
+        {
+            "name": name,
+            "source": "https://example.com/m.gguf" if not gpu else "org/m",
+            "scaling": scaling,
+            "profiles": profiles or [profile],
+            **extra,
+        }
+    )
 
 
 def make(fleet: Fleet, models: list[ModelConfig], clock: Clock, **control) -> Reconciler:
-    cfg = ServerConfig.model_validate({"control": {"enabled": True, "base_backoff": "10s", "max_backoff": "40s",
-                                                   "cold_start_wait": "5s", **control}})
+    cfg = ServerConfig.model_validate(
+        {"control": {"enabled": True, "base_backoff": "10s", "max_backoff": "40s", "cold_start_wait": "5s", **control}}
+    )
     eps = EndpointSet([], 1.0, 10.0, 1.0)
     return Reconciler(cfg, Catalog(models), fleet.svc, eps, clock=clock, rng=random.Random(7))
 
 
 async def settle() -> None:
+    # Yields to the loop, so woken tasks run; no clock is involved, so load cannot make it flake.
     for _ in range(5):
         await asyncio.sleep(0)
 
@@ -139,7 +180,7 @@ async def test_places_targets_and_publishes_ready_replicas(clock):
     # CPU replicas are spread; the GPU replica takes two cards.
     small_nodes = sorted(n for n, m in starts if m.model == "small")
     assert small_nodes == ["cpu-1", "cpu-2"]
-    (gnode, gspec), = [(n, m) for n, m in starts if m.model == "big"]
+    ((gnode, gspec),) = [(n, m) for n, m in starts if m.model == "big"]
     assert gnode == "gpu-1" and gspec.gpus == [0, 1] and gspec.profile.tensor_parallel == 2
     for _, spec in starts:
         assert 20000 <= spec.http_port <= 29999
@@ -209,12 +250,18 @@ async def test_a_failed_shard_is_stopped_and_retried_later(clock):
     fleet.add("n1")
     rec = make(fleet, [model("m")], clock)
     await rec.tick()
-    (node, spec), = fleet.starts()
-    fleet.report(node, spec.shard_id, ShardState.FAILED, reason="exited with code 1",
-                 output_tail=["loading model", "error: unknown model architecture: 'foo'"])
+    ((node, spec),) = fleet.starts()
+    fleet.report(
+        node,
+        spec.shard_id,
+        ShardState.FAILED,
+        reason="exited with code 1",
+        output_tail=["loading model", "error: unknown model architecture: 'foo'"],
+    )
     await settle()
     assert rec.model_status("m")["backoff"]["last_failure"].endswith(
-        "exited with code 1 (last output: error: unknown model architecture: 'foo')")
+        "exited with code 1 (last output: error: unknown model architecture: 'foo')"
+    )
     # The failed replica is told to stop and forgotten once the agent says so.
     assert [m.shard_id for _, m in fleet.stops()] == [spec.shard_id]
     assert not rec.replicas
@@ -232,11 +279,15 @@ async def test_startup_timeout_is_not_reset_by_fetch_progress(clock):
     fleet.add("n1")
     rec = make(fleet, [model("m", startup="100s")], clock)
     await rec.tick()
-    (node, spec), = fleet.starts()
+    ((node, spec),) = fleet.starts()
     for done in range(1, 6):
         clock.now += 19
-        fleet.report(node, spec.shard_id, ShardState.PENDING,
-                     fetch=FetchProgress(source="s", bytes_done=done * 10, bytes_total=100))
+        fleet.report(
+            node,
+            spec.shard_id,
+            ShardState.PENDING,
+            fetch=FetchProgress(source="s", bytes_done=done * 10, bytes_total=100),
+        )
         await rec.tick()
     assert rec.replica_rows()[0]["shards"][0]["fetch"]["percent"] == 50.0
     assert not fleet.stops()
@@ -254,7 +305,7 @@ async def test_a_lost_node_has_its_replica_placed_again_at_once(clock):
     fleet.add("n2")
     rec = make(fleet, [model("m")], clock)
     await rec.tick()
-    (node, spec), = fleet.starts()
+    ((node, spec),) = fleet.starts()
     ready_all(fleet, rec)
     assert rec.endpoints.model_ready("m")
     fleet.svc.get(node).state = NodeState.UNREACHABLE
@@ -275,18 +326,30 @@ async def test_adoption_after_a_restart_starts_nothing(clock):
     m = model("m")
     rec = make(fleet, [m], clock)
     profile = m.profiles[0]
-    spec = StartShard(shard_id="m-abc-0", replica_id="m-abc", model="m", engine="llamacpp", source=m.source,
-                      http_port=20500, profile=EngineProfile(name=profile.name), profile_fp=profile.fingerprint,
-                      pool="none/cpu")
-    stale = spec.model_copy(update={"shard_id": "m-old-0", "replica_id": "m-old", "http_port": 20501,
-                                    "profile_fp": "0" * 64})
+    spec = StartShard(
+        shard_id="m-abc-0",
+        replica_id="m-abc",
+        model="m",
+        engine="llamacpp",
+        source=m.source,
+        http_port=20500,
+        profile=EngineProfile(name=profile.name),
+        profile_fp=profile.fingerprint,
+        pool="none/cpu",
+    )
+    stale = spec.model_copy(
+        update={"shard_id": "m-old-0", "replica_id": "m-old", "http_port": 20501, "profile_fp": "0" * 64}
+    )
     foreign = spec.model_copy(update={"shard_id": "x-0", "replica_id": "x", "model": "gone"})
-    fleet.add("n1", shards=[
-        RunningShard(shard_id="m-abc-0", replica_id="m-abc", state=ShardState.READY, pid=11, spec=spec),
-        RunningShard(shard_id="m-old-0", replica_id="m-old", state=ShardState.READY, pid=12, spec=stale),
-        RunningShard(shard_id="x-0", replica_id="x", state=ShardState.READY, pid=13, spec=foreign),
-        RunningShard(shard_id="nospec", state=ShardState.READY, pid=14),
-    ])
+    fleet.add(
+        "n1",
+        shards=[
+            RunningShard(shard_id="m-abc-0", replica_id="m-abc", state=ShardState.READY, pid=11, spec=spec),
+            RunningShard(shard_id="m-old-0", replica_id="m-old", state=ShardState.READY, pid=12, spec=stale),
+            RunningShard(shard_id="x-0", replica_id="x", state=ShardState.READY, pid=13, spec=foreign),
+            RunningShard(shard_id="nospec", state=ShardState.READY, pid=14),
+        ],
+    )
     await settle()
     assert set(rec.replicas) == {"m-abc", "m-old"}
     assert sorted(ep.url for ep in rec.endpoints.endpoints) == ["http://10.0.0.1:20500", "http://10.0.0.1:20501"]
@@ -333,7 +396,8 @@ async def test_scale_to_zero_and_back(clock):
     # The agent answers a stop once the engine is gone.
     assert not rec.replicas
     assert await rec.wait_ready("m") == (
-        "model 'm' is stopped (its scaling has max 0); an operator can start it with llmgw ctl scale")
+        "model 'm' is stopped (its scaling has max 0); an operator can start it with llmgw ctl scale"
+    )
     rec.catalog = Catalog([model("m", min=1)])
     await rec.tick()
     assert len(fleet.starts()) == 3
@@ -372,8 +436,10 @@ async def test_on_demand_that_cannot_be_placed_answers_at_once(clock):
         problem = await asyncio.wait_for(rec.wait_ready("m"), 3)
     finally:
         await rec.stop()
-    assert problem == ("model 'm' cannot be started now: no node can take it; an operator can see why with "
-                       "llmgw ctl explain-placement m")
+    assert problem == (
+        "model 'm' cannot be started now: no node can take it; an operator can see why with "
+        "llmgw ctl explain-placement m"
+    )
     assert "n1" not in problem
     # The operator's view keeps the reasons.
     assert rec.problems["m"] == "cannot place m:\n  n1 has 8 GB of memory, needs 24"
@@ -404,7 +470,7 @@ async def test_cordon_keeps_work_and_drain_moves_it_one_at_a_time(clock):
     assert old.replaced_by == starts[-1][1].replica_id
     fleet.report(starts[-1][0], starts[-1][1].shard_id, ShardState.READY)
     await settle()
-    (node, msg), = fleet.stops()
+    ((node, msg),) = fleet.stops()
     assert node == "n1" and isinstance(msg, DrainShard) and msg.reason.startswith("drained: replica")
     fleet.report("n1", msg.shard_id, ShardState.STOPPED)
     await rec.tick()
@@ -434,7 +500,7 @@ async def test_model_leaving_the_catalog_is_stopped(clock):
     rec.catalog = Catalog([model("a")])
     await rec.tick()
     await settle()
-    (node, msg), = fleet.stops()
+    ((node, msg),) = fleet.stops()
     assert msg.reason == "model b left the catalog"
 
 
@@ -442,6 +508,7 @@ async def test_unknown_node_operations_are_refused(clock):
     fleet = Fleet()
     rec = make(fleet, [], clock)
     from llmgw.server.control.reconciler import ControlError
+
     with pytest.raises(ControlError, match="no node named ghost is known"):
         await rec.cordon("ghost")
     assert rec.marks == {}
@@ -451,8 +518,16 @@ async def test_many_models_over_a_large_fleet_place_deterministically(clock):
     fleet = Fleet()
     for i in range(60):
         fleet.add(f"g-{i}", gpus=8) if i % 2 else fleet.add(f"c-{i}", labels={"zone": "eu" if i % 4 else "us"})
-    models = [model(f"m{i}", min=1 + i % 3, gpu=bool(i % 2), tp=[1, 2, 4, 8][i % 4] if i % 2 else 1,
-                    selector={"zone": "us"} if i % 10 == 0 else None) for i in range(40)]
+    models = [
+        model(
+            f"m{i}",
+            min=1 + i % 3,
+            gpu=bool(i % 2),
+            tp=[1, 2, 4, 8][i % 4] if i % 2 else 1,
+            selector={"zone": "us"} if i % 10 == 0 else None,
+        )
+        for i in range(40)
+    ]
     rec = make(fleet, models, clock)
     await rec.tick()
     await settle()

@@ -18,12 +18,12 @@ from llmgw.server.app import Server
 from llmgw.testing.admin import admin_headers
 from llmgw.testing.ports import free_port as _port
 
-ADMIN = "admin credential"           # admin token or listed client certificate; browser refusals first
-PROBE = "open probe"                 # answers without a credential; tells nothing but up/ready
-API_KEY = "API key"                  # Authorization: Bearer <key>
-CLAIM = "claim token in the URL"     # the link's own random token is the credential
-AGENT = "agent mutual TLS"           # the fleet's client certificate, naming the node (agent_tls)
-NETWORK = "network (metrics only)"   # Prometheus' listener: read-only numbers; firewall it
+ADMIN = "admin credential"  # admin token or listed client certificate; browser refusals first
+PROBE = "open probe"  # answers without a credential; tells nothing but up/ready
+API_KEY = "API key"  # Authorization: Bearer <key>
+CLAIM = "claim token in the URL"  # the link's own random token is the credential
+AGENT = "agent mutual TLS"  # the fleet's client certificate, naming the node (agent_tls)
+NETWORK = "network (metrics only)"  # Prometheus' listener: read-only numbers; firewall it
 
 GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "POST", "/v1/chat/completions"): API_KEY,
@@ -62,18 +62,23 @@ GUARDS: dict[tuple[str, str, str], str] = {
 }
 
 
-
 @pytest.fixture
 async def server(tmp_path):
     mirror_token = tmp_path / "mirror.token"
     write_secret_file(mirror_token, "mirror-secret")
-    cfg = parse_server_config({
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}",
-        "metrics_listen": f"127.0.0.1:{_port()}", "agent_listen": f"127.0.0.1:{_port()}", "agent_tls": None,
-        "control": {"enabled": True}, "auth": {"store": str(tmp_path / "gw.db")},
-        "mirror": {"api": f"http://127.0.0.1:{_port()}", "token_file": str(mirror_token)},
-        "models": [{"name": "m", "endpoints": [{"url": "http://127.0.0.1:9", "engine": "openai"}]}],
-    })
+    cfg = parse_server_config(
+        {
+            "listen": f"127.0.0.1:{_port()}",
+            "admin_listen": f"127.0.0.1:{_port()}",
+            "metrics_listen": f"127.0.0.1:{_port()}",
+            "agent_listen": f"127.0.0.1:{_port()}",
+            "agent_tls": None,
+            "control": {"enabled": True},
+            "auth": {"store": str(tmp_path / "gw.db")},
+            "mirror": {"api": f"http://127.0.0.1:{_port()}", "token_file": str(mirror_token)},
+            "models": [{"name": "m", "endpoints": [{"url": "http://127.0.0.1:9", "engine": "openai"}]}],
+        }
+    )
     s = Server(cfg)
     await s.start()
     yield s
@@ -130,7 +135,9 @@ async def test_admin_routes_refuse_what_only_a_browser_or_a_rebinding_page_sends
             url = base + _concrete(path)
             r = await http.request(method, url, headers={**auth, "Origin": "https://evil.example"}, json={})
             assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (method, path)
-            r = await http.request(method, url, headers={**auth, "Host": f"evil.example:{server.config.admin_listen.port}"})
+            r = await http.request(
+                method, url, headers={**auth, "Host": f"evil.example:{server.config.admin_listen.port}"}
+            )
             assert r.status_code == 421 and r.json()["error"]["code"] == "host_not_allowed", (method, path)
             if method in ("POST", "PUT"):
                 r = await http.request(method, url, headers={**auth, "Content-Type": "text/plain"}, content=b"{}")
@@ -140,17 +147,24 @@ async def test_admin_routes_refuse_what_only_a_browser_or_a_rebinding_page_sends
 async def test_a_cross_origin_text_plain_post_changes_nothing(server):
     """The attack that was found: a page posts a model whose profile carries LD_PRELOAD."""
     base = _base(server, "admin_listen")
-    body = (b'{"model": {"name": "evil", "source": "/x.gguf", "profiles": [{"engine": "llamacpp", '
-            b'"env": {"LD_PRELOAD": "/tmp/x.so"}}]}, "source_check": false}')
+    body = (
+        b'{"model": {"name": "evil", "source": "/x.gguf", "profiles": [{"engine": "llamacpp", '
+        b'"env": {"LD_PRELOAD": "/tmp/x.so"}}]}, "source_check": false}'
+    )
     async with httpx.AsyncClient() as http:
         # Without the token, as a page would send it (it cannot read the token file).
-        r = await http.post(base + "/api/v1/models", content=body,
-                            headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})
+        r = await http.post(
+            base + "/api/v1/models",
+            content=body,
+            headers={"Content-Type": "text/plain", "Origin": "http://evil.example"},
+        )
         assert r.status_code in (401, 403, 415)
         # Even a page that somehow had the token is refused for its origin and content type.
-        r = await http.post(base + "/api/v1/models", content=body,
-                            headers={**admin_headers(server), "Content-Type": "text/plain",
-                                     "Origin": "http://evil.example"})
+        r = await http.post(
+            base + "/api/v1/models",
+            content=body,
+            headers={**admin_headers(server), "Content-Type": "text/plain", "Origin": "http://evil.example"},
+        )
         assert r.status_code == 403
     assert server.catalog.get("evil") is None
 
@@ -161,8 +175,9 @@ async def test_a_same_origin_or_originless_request_with_the_token_is_served(serv
         assert (await http.get(base + "/api/v1/status")).status_code == 200
         own = f"http://127.0.0.1:{server.config.admin_listen.port}"
         assert (await http.get(base + "/api/v1/status", headers={"Origin": own})).status_code == 200
-        assert (await http.get(base + "/api/v1/status", headers={"Host": f"localhost:{server.config.admin_listen.port}"})
-                ).status_code == 200
+        assert (
+            await http.get(base + "/api/v1/status", headers={"Host": f"localhost:{server.config.admin_listen.port}"})
+        ).status_code == 200
 
 
 async def test_a_revoked_or_foreign_token_is_refused_and_an_api_key_never_opens_the_admin_api(server):
@@ -177,7 +192,9 @@ async def test_a_revoked_or_foreign_token_is_refused_and_an_api_key_never_opens_
         assert r.status_code == 401
         r = await http.get(base + "/api/v1/status", headers={"Authorization": f"Bearer {api_key}"})
         assert r.status_code == 401
-        r = await http.get(base + "/api/v1/status", headers={"Authorization": "Bearer llmgw-admin-\u00e9t\u00e9".encode("latin-1")})
+        r = await http.get(
+            base + "/api/v1/status", headers={"Authorization": "Bearer llmgw-admin-\u00e9t\u00e9".encode("latin-1")}
+        )
         assert r.status_code == 401
 
 
@@ -206,6 +223,7 @@ async def test_the_first_admin_token_file_is_owner_only_and_survives_a_restart(s
     again = Server(server.config)
     # A second start (same data_dir, same store) keeps the token it finds.
     from llmgw.server.admin.access import ensure_first_token
+
     assert await ensure_first_token(server.store, again.config) == path
     assert path.read_text() == first
     assert [t.name for t in await server.store.list_admin_tokens()] == [f"first token ({path})"]
@@ -221,11 +239,15 @@ async def test_on_a_tls_admin_listener_a_listed_client_certificate_is_a_credenti
     srv = issue_server(pki, pki, ["127.0.0.1", "localhost"])
     admin = issue_client(pki, pki, "admin")
     node = issue_client(pki, pki, "node-a")
-    cfg = parse_server_config({
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
-        "admin_tls": {"ca": str(ca.cert), "cert": str(srv.cert), "key": str(srv.key)},
-        "auth": {"store": str(tmp_path / "gw.db")},
-    })
+    cfg = parse_server_config(
+        {
+            "listen": f"127.0.0.1:{_port()}",
+            "admin_listen": f"127.0.0.1:{_port()}",
+            "metrics_listen": None,
+            "admin_tls": {"ca": str(ca.cert), "cert": str(srv.cert), "key": str(srv.key)},
+            "auth": {"store": str(tmp_path / "gw.db")},
+        }
+    )
     s = Server(cfg)
     await s.start()
     url = f"https://127.0.0.1:{cfg.admin_listen.port}/api/v1/status"

@@ -6,7 +6,11 @@ from llmgw.config import ConfigError, parse_server_config
 from llmgw.config.server import ServerConfig
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.routing import (
-    PrefixLRU, Router, RouterCollector, block_hashes, prompt_text,
+    PrefixLRU,
+    Router,
+    RouterCollector,
+    block_hashes,
+    prompt_text,
 )
 
 SYSTEM_A = "You are a careful assistant for the Acme support desk. " * 40  # ~2.2 KB
@@ -38,6 +42,7 @@ def _eps(n):
 
 # -- block hashing --------------------------------------------------------
 
+
 def test_shared_system_prompt_shares_leading_blocks():
     a = _blocks(_chat(SYSTEM_A, "How do I reset my password?"))
     b = _blocks(_chat(SYSTEM_A, "Where is my parcel? " * 30))
@@ -64,7 +69,7 @@ def test_next_turn_extends_previous_turn():
     t1 = _chat(SYSTEM_A, "first question " * 20)
     t2 = _chat(SYSTEM_A, "first question " * 20, "an answer " * 20, "second question")
     b1, b2 = _blocks(t1), _blocks(t2)
-    assert b2[:len(b1)] == b1
+    assert b2[: len(b1)] == b1
 
 
 def test_only_whole_blocks_and_short_prompts():
@@ -73,7 +78,9 @@ def test_only_whole_blocks_and_short_prompts():
 
 
 def test_prompt_text_shapes():
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]}]}
+    parts = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]}]
+    }
     plain = {"messages": [{"role": "user", "content": "hello"}]}
     assert prompt_text("chat", parts) == prompt_text("chat", plain)
     # The role is part of the text: the same words from another role are another prompt.
@@ -86,6 +93,7 @@ def test_prompt_text_shapes():
 
 
 # -- the LRU ----------------------------------------------------------------
+
 
 def test_lru_is_bounded_and_keeps_prefixes():
     lru = PrefixLRU(capacity=100)
@@ -118,6 +126,7 @@ def test_lru_match_counts_leading_blocks_only():
 
 
 # -- the choice --------------------------------------------------------------
+
 
 def test_prefix_goes_back_to_the_same_endpoint():
     eps = _eps(3)
@@ -168,6 +177,7 @@ def test_longest_match_wins_then_least_loaded():
     for e in (a, b, c):
         e.prefixes = None
     from llmgw.server.gateway.routing import PrefixLRU as L
+
     a.prefixes, b.prefixes = L(), L()
     a.prefixes.record(short)
     b.prefixes.record(long_)
@@ -274,6 +284,7 @@ def test_collector_reports_counts():
 
 # -- configuration -----------------------------------------------------------
 
+
 def _err(data):
     with pytest.raises(ConfigError) as exc:
         parse_server_config(data, "server.yaml")
@@ -281,10 +292,14 @@ def _err(data):
 
 
 def test_config_defaults_and_override():
-    cfg = ServerConfig.model_validate({"models": [
-        {"name": "a", "endpoints": [{"url": "http://x:1", "engine": "vllm"}], "routing": "round_robin"},
-        {"name": "b", "endpoints": [{"url": "http://x:2", "engine": "vllm"}]},
-    ]})
+    cfg = ServerConfig.model_validate(
+        {
+            "models": [
+                {"name": "a", "endpoints": [{"url": "http://x:1", "engine": "vllm"}], "routing": "round_robin"},
+                {"name": "b", "endpoints": [{"url": "http://x:2", "engine": "vllm"}]},
+            ]
+        }
+    )
     assert cfg.router.routing == "prefix" and cfg.router.session_load_factor == 1.25
     assert cfg.models[0].routing == "round_robin" and cfg.models[1].routing is None
 

@@ -6,9 +6,9 @@ import socket
 
 import httpx
 
-from llmgw.testing.admin import admin_headers
 from llmgw.config import parse_server_config
 from llmgw.server.app import Server
+from llmgw.testing.admin import admin_headers
 from llmgw.testing.fake_engine import FakeEngine
 
 SYSTEM = "You answer questions about the Acme product catalogue, politely and briefly. " * 30
@@ -23,11 +23,18 @@ def _port() -> int:
 async def _run(tmp_path, routing: dict, bodies: list[dict]):
     engines = [await FakeEngine(tokens=3).start() for _ in range(3)]
     cfg = {
-        "listen": f"127.0.0.1:{_port()}", "admin_listen": f"127.0.0.1:{_port()}", "metrics_listen": None,
+        "listen": f"127.0.0.1:{_port()}",
+        "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": None,
         "auth": {"enabled": False, "store": str(tmp_path / "gw.db")},
         "router": {"scrape_interval": "100ms", **routing.get("router", {})},
-        "models": [{"name": "m", "endpoints": [{"url": e.url, "engine": "llamacpp"} for e in engines],
-                    **routing.get("model", {})}],
+        "models": [
+            {
+                "name": "m",
+                "endpoints": [{"url": e.url, "engine": "llamacpp"} for e in engines],
+                **routing.get("model", {}),
+            }
+        ],
     }
     server = Server(parse_server_config(cfg))
     await server.start()
@@ -36,8 +43,11 @@ async def _run(tmp_path, routing: dict, bodies: list[dict]):
             for body in bodies:
                 r = await http.post("/v1/chat/completions", json={"model": "m", **body})
                 assert r.status_code == 200, r.text
-            metrics = (await http.get(f"http://127.0.0.1:{server.config.admin_listen.port}/metrics",
-                                      headers=admin_headers(server))).text
+            metrics = (
+                await http.get(
+                    f"http://127.0.0.1:{server.config.admin_listen.port}/metrics", headers=admin_headers(server)
+                )
+            ).text
         order = []
         for i, e in enumerate(engines):
             for q in e.requests:

@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text, update
 
-from llmgw.store import (AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, Store, StoreError,
-                         UsageRow, hash_secret)
+from llmgw.store import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, Store, StoreError, UsageRow, hash_secret
 from llmgw.store.schema import api_keys
 
-UTC = timezone.utc
+UTC = UTC
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -28,11 +27,14 @@ async def store(address):
 
 async def _all_rows(store: Store) -> dict[str, list[tuple]]:
     async with store.engine.connect() as conn:
-        return {t: [tuple(r) for r in await conn.execute(text(f"SELECT * FROM {t}"))]
-                for t in ("api_keys", "usage", "store_state", "alembic_version")}
+        return {
+            t: [tuple(r) for r in await conn.execute(text(f"SELECT * FROM {t}"))]
+            for t in ("api_keys", "usage", "store_state", "alembic_version")
+        }
 
 
 # -- opening and migrations -------------------------------------------------------
+
 
 async def test_open_twice_is_idempotent(address):
     s = await Store.open(address)
@@ -61,18 +63,30 @@ async def test_concurrent_opens_of_fresh_database(address):
 
 async def test_concurrent_processes_open_fresh_database(address):
     # Separate processes, each released once all have finished importing.
-    code = ("import asyncio, sys\n"
-            "from llmgw.store import Store\n"
-            "async def main():\n"
-            "    s = await Store.open(sys.argv[1])\n"
-            "    print(await s.keys_generation())\n"
-            "    await s.close()\n"
-            "print('ready', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "asyncio.run(main())\n")
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, address, cwd=REPO, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE) for _ in range(3)]
+    code = (
+        "import asyncio, sys\n"
+        "from llmgw.store import Store\n"
+        "async def main():\n"
+        "    s = await Store.open(sys.argv[1])\n"
+        "    print(await s.keys_generation())\n"
+        "    await s.close()\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "asyncio.run(main())\n"
+    )
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            code,
+            address,
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        for _ in range(3)
+    ]
     for p in procs:
         assert await asyncio.wait_for(p.stdout.readline(), 30) == b"ready\n"
     for p in procs:
@@ -137,7 +151,8 @@ async def test_at_file_address(address, tmp_path):
 
 # -- keys ---------------------------------------------------------------------------
 
-async def test_create_and_list(store):
+
+async def test_a_created_key_is_listed_with_its_values_and_only_its_hash_is_kept(store):
     before = datetime.now(UTC)
     secret, rec = await store.create_key("  ci bot ", project="team-a")
     assert re.fullmatch(r"llmgw-[A-Za-z0-9_-]{40}", secret)
@@ -152,9 +167,17 @@ async def test_create_and_list(store):
     assert active.hash == hash_secret(secret) and active.id == rec.id
 
 
-@pytest.mark.parametrize("name, needle", [
-    ("", "empty"), ("   ", "empty"), ("x" * 201, "at most 200"), ("a\nb", "control characters"),
-    (None, "must be text")], ids=["empty", "blank", "too-long", "newline", "none"])
+@pytest.mark.parametrize(
+    "name, needle",
+    [
+        ("", "empty"),
+        ("   ", "empty"),
+        ("x" * 201, "at most 200"),
+        ("a\nb", "control characters"),
+        (None, "must be text"),
+    ],
+    ids=["empty", "blank", "too-long", "newline", "none"],
+)
 async def test_bad_key_names_change_nothing(store, name, needle):
     with pytest.raises(StoreError, match=needle):
         await store.create_key(name)
@@ -166,7 +189,7 @@ async def test_name_of_200_characters_is_fine(store):
     assert rec.name == "n" * 200
 
 
-async def test_bad_expiry(store):
+async def test_a_key_expiry_must_be_timezone_aware_and_in_the_future(store):
     with pytest.raises(StoreError, match="timezone-aware"):
         await store.create_key("k", expires_at=datetime.now() + timedelta(days=1))
     with pytest.raises(StoreError, match="in the past"):
@@ -176,8 +199,9 @@ async def test_bad_expiry(store):
 
 async def test_secret_never_stored(store, address):
     made = [await store.create_key(f"k{i}") for i in range(3)]
-    await store.insert_usage([UsageRow(key_id=r.id, model="m", endpoint="/v1/chat/completions",
-                                       status=200, latency_ms=1.0) for _, r in made])
+    await store.insert_usage(
+        [UsageRow(key_id=r.id, model="m", endpoint="/v1/chat/completions", status=200, latency_ms=1.0) for _, r in made]
+    )
     await store.revoke_key(made[0][1].id)
     dump = repr(await _all_rows(store))
     for secret, _ in made:
@@ -200,8 +224,7 @@ async def test_generation_counts_creates_and_revokes(store):
     for bad in (a.id, "key-000000000000"):
         with pytest.raises(StoreError):
             await store.revoke_key(bad)
-    await store.insert_usage([UsageRow(key_id=b.id, model="m", endpoint="/e", status=200,
-                                       latency_ms=1.0)])
+    await store.insert_usage([UsageRow(key_id=b.id, model="m", endpoint="/e", status=200, latency_ms=1.0)])
     assert await store.keys_generation() == 3  # failures and usage do not count
 
 
@@ -239,7 +262,7 @@ async def test_revoke_ambiguous_lists_candidates(store):
     assert await store.list_keys(include_revoked=False) != [] and await store.keys_generation() == 2
 
 
-async def test_revoke_unknown(store):
+async def test_revoking_an_unknown_key_refuses_without_echoing_the_secret(store):
     secret, a = await store.create_key("a")
     with pytest.raises(KeyNotFound, match="No API key matches 'key-ffffffffffff'"):
         await store.revoke_key("key-ffffffffffff")
@@ -249,8 +272,7 @@ async def test_revoke_unknown(store):
         await store.revoke_key("  ")
     # Neither case-folded nor wildcard matches.
     with pytest.raises(KeyNotFound):
-        await store.revoke_key(a.prefix.swapcase() if a.prefix[6:] != a.prefix[6:].swapcase()
-                               else "llmgw-________")
+        await store.revoke_key(a.prefix.swapcase() if a.prefix[6:] != a.prefix[6:].swapcase() else "llmgw-________")
     # A wrong full secret is not echoed back.
     wrong = secret[:14] + "x" * 40
     with pytest.raises(KeyNotFound) as e:
@@ -276,8 +298,9 @@ async def test_expired_keys_are_not_active(store):
     assert {k.id for k in await store.active_keys()} == {soon.id, later.id, never.id}
     # Move one expiry into the past rather than sleeping past it.
     async with store.engine.begin() as conn:
-        await conn.execute(update(api_keys).where(api_keys.c.id == soon.id)
-                           .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+        await conn.execute(
+            update(api_keys).where(api_keys.c.id == soon.id).values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        )
     assert {k.id for k in await store.active_keys()} == {later.id, never.id}
     (rec,) = [k for k in await store.list_keys() if k.id == soon.id]
     assert not rec.is_active() and later.is_active() and never.is_active()
@@ -285,20 +308,43 @@ async def test_expired_keys_are_not_active(store):
 
 # -- usage --------------------------------------------------------------------------
 
+
 async def test_usage_batch_and_last_used(store):
     _, a = await store.create_key("a")
     _, b = await store.create_key("b")
     t0 = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
     rows = [
-        UsageRow(key_id=a.id, project="p", model="llama", served_model="llama-3b-q4",
-                 endpoint="/v1/chat/completions", prompt_tokens=10, completion_tokens=5,
-                 latency_ms=12.5, ttft_ms=3.25, status=200, stream=True, at=t0),
-        UsageRow(key_id=a.id, model="llama", endpoint="/v1/completions", latency_ms=7.0,
-                 status=200, at=t0 + timedelta(seconds=5)),
-        UsageRow(key_id=b.id, model="qwen", endpoint="/v1/embeddings", latency_ms=1.0,
-                 status=429, at=t0 + timedelta(seconds=2)),
-        UsageRow(model="x", endpoint="/v1/models", latency_ms=0.5, status=401,
-                 at=t0 + timedelta(seconds=1)),
+        UsageRow(
+            key_id=a.id,
+            project="p",
+            model="llama",
+            served_model="llama-3b-q4",
+            endpoint="/v1/chat/completions",
+            prompt_tokens=10,
+            completion_tokens=5,
+            latency_ms=12.5,
+            ttft_ms=3.25,
+            status=200,
+            stream=True,
+            at=t0,
+        ),
+        UsageRow(
+            key_id=a.id,
+            model="llama",
+            endpoint="/v1/completions",
+            latency_ms=7.0,
+            status=200,
+            at=t0 + timedelta(seconds=5),
+        ),
+        UsageRow(
+            key_id=b.id,
+            model="qwen",
+            endpoint="/v1/embeddings",
+            latency_ms=1.0,
+            status=429,
+            at=t0 + timedelta(seconds=2),
+        ),
+        UsageRow(model="x", endpoint="/v1/models", latency_ms=0.5, status=401, at=t0 + timedelta(seconds=1)),
     ]
     await store.insert_usage(rows)
     await store.insert_usage([])
@@ -307,17 +353,14 @@ async def test_usage_batch_and_last_used(store):
     assert [r.at for r in got] == sorted((r.at for r in rows), reverse=True)
     assert all(r.id is not None for r in got)
     first = next(r for r in got if r.at == t0)
-    assert first == UsageRow(**{**{f: getattr(rows[0], f) for f in UsageRow.__slots__},
-                                "id": first.id})
-    assert [r.endpoint for r in await store.list_usage(key_id=a.id)] == [
-        "/v1/completions", "/v1/chat/completions"]
+    assert first == UsageRow(**{**{f: getattr(rows[0], f) for f in UsageRow.__slots__}, "id": first.id})
+    assert [r.endpoint for r in await store.list_usage(key_id=a.id)] == ["/v1/completions", "/v1/chat/completions"]
     assert len(await store.list_usage(limit=2)) == 2
     keys = {k.id: k for k in await store.list_keys()}
     assert keys[a.id].last_used_at == t0 + timedelta(seconds=5)
     assert keys[b.id].last_used_at == t0 + timedelta(seconds=2)
     # An older batch arriving late does not move last_used_at back.
-    await store.insert_usage([UsageRow(key_id=a.id, model="m", endpoint="/e", status=200,
-                                       latency_ms=1.0, at=t0)])
+    await store.insert_usage([UsageRow(key_id=a.id, model="m", endpoint="/e", status=200, latency_ms=1.0, at=t0)])
     assert {k.id: k for k in await store.list_keys()}[a.id].last_used_at == t0 + timedelta(seconds=5)
     assert await store.count_usage() == 5
 
@@ -339,6 +382,7 @@ async def test_revoked_key_hashes(store):
 
 
 # -- node marks ---------------------------------------------------------------------
+
 
 async def test_node_marks_set_replace_clear_and_refuse(address):
     s = await Store.open(address)

@@ -40,7 +40,12 @@ def test_postgres_url_gets_asyncpg_driver(scheme):
     url = make_url(resolve_store_address(f"{scheme}://alice:p%40ss@db.example:6543/llmgw"))
     assert url.drivername == "postgresql+asyncpg"
     assert (url.username, url.password, url.host, url.port, url.database) == (
-        "alice", "p@ss", "db.example", 6543, "llmgw")
+        "alice",
+        "p@ss",
+        "db.example",
+        6543,
+        "llmgw",
+    )
 
 
 @pytest.mark.parametrize("mode", ["disable", "require", "verify-full"])
@@ -58,9 +63,10 @@ def test_at_file_reads_address(tmp_path):
     assert make_url(resolve_store_address(f"@{f}")).password == "secret"
 
 
-@pytest.mark.parametrize("content, needle", [(None, "does not exist"), ("", "is empty"),
-                                             ("  \n", "is empty"), ("@/x", "another @")])
-def test_at_file_errors(tmp_path, content, needle):
+@pytest.mark.parametrize(
+    "content, needle", [(None, "does not exist"), ("", "is empty"), ("  \n", "is empty"), ("@/x", "another @")]
+)
+def test_an_at_file_address_that_is_missing_empty_or_nested_is_refused(tmp_path, content, needle):
     f = tmp_path / "addr"
     if content is not None:
         f.write_text(content)
@@ -68,24 +74,27 @@ def test_at_file_errors(tmp_path, content, needle):
         resolve_store_address(f"@{f}")
 
 
-@pytest.mark.parametrize("addr, needle", [
-    ("", "is empty"),
-    ("   ", "is empty"),
-    ("@", "names no file"),
-    (":memory:", "not a file path"),
-    ("mysql://u:p@h/db", "unsupported scheme 'mysql://'"),
-    ("postgres://u@h", "names no database"),
-    ("postgres://u@h:port/db", "could not be parsed"),
-    ("postgres://u@h/db?sslmode=sometimes", "sslmode=sometimes"),
-    ("postgres://u@h/db?application_name=x", "'application_name'"),
-    ("postgres://u@h/db?sslmode=require&ssl=disable", "twice"),
-    ("postgres://u@h/db?ssl=a&ssl=b", "more than once"),
-    ("postgres://u@h/db?connect_timeout=soon", "connect_timeout=soon; give a number"),
-    ("postgres://u@h/db?command_timeout=0", "greater than zero"),
-    ("postgres://u@h/db?connect_timeout=1&timeout=2", "twice"),
-    ("postgres://u@h/db?prepared_statement_cache_size=-1", "whole number"),
-])
-def test_bad_addresses(addr, needle):
+@pytest.mark.parametrize(
+    "addr, needle",
+    [
+        ("", "is empty"),
+        ("   ", "is empty"),
+        ("@", "names no file"),
+        (":memory:", "not a file path"),
+        ("mysql://u:p@h/db", "unsupported scheme 'mysql://'"),
+        ("postgres://u@h", "names no database"),
+        ("postgres://u@h:port/db", "could not be parsed"),
+        ("postgres://u@h/db?sslmode=sometimes", "sslmode=sometimes"),
+        ("postgres://u@h/db?application_name=x", "'application_name'"),
+        ("postgres://u@h/db?sslmode=require&ssl=disable", "twice"),
+        ("postgres://u@h/db?ssl=a&ssl=b", "more than once"),
+        ("postgres://u@h/db?connect_timeout=soon", "connect_timeout=soon; give a number"),
+        ("postgres://u@h/db?command_timeout=0", "greater than zero"),
+        ("postgres://u@h/db?connect_timeout=1&timeout=2", "twice"),
+        ("postgres://u@h/db?prepared_statement_cache_size=-1", "whole number"),
+    ],
+)
+def test_bad_store_addresses_are_refused_with_the_reason(addr, needle):
     with pytest.raises(StoreError, match=needle):
         resolve_store_address(addr)
 
@@ -97,7 +106,7 @@ def test_directory_is_refused(tmp_path):
         resolve_store_address(str(tmp_path / "new") + os.sep)
 
 
-def test_uncreatable_parent(tmp_path):
+def test_a_store_whose_directory_cannot_be_created_is_refused(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(StoreError, match="Could not create the directory"):
@@ -105,8 +114,12 @@ def test_uncreatable_parent(tmp_path):
 
 
 def test_password_masked_in_errors(tmp_path):
-    for addr in ("postgres://bob:s3cr3t@h/db?sslmode=bogus", "postgresql://bob:s3cr3t@h",
-                 "mysql://bob:s3cr3t@h/db", "postgres://bob:s3cr3t@h:nope/db"):
+    for addr in (
+        "postgres://bob:s3cr3t@h/db?sslmode=bogus",
+        "postgresql://bob:s3cr3t@h",
+        "mysql://bob:s3cr3t@h/db",
+        "postgres://bob:s3cr3t@h:nope/db",
+    ):
         with pytest.raises(StoreError) as e:
             resolve_store_address(addr)
         assert "s3cr3t" not in str(e.value) and "bob:***@" in str(e.value), str(e.value)
@@ -117,7 +130,7 @@ def test_password_masked_in_errors(tmp_path):
     assert "s3cr3t" not in str(e.value) and str(f) in str(e.value)
 
 
-def test_mask_password():
+def test_passwords_in_store_addresses_are_masked_and_nothing_else():
     assert mask_password("x postgresql://u:p@ss@h:1/db?a=b y") == "x postgresql://u:***@h:1/db?a=b y"
     assert mask_password("postgresql://u@h/db") == "postgresql://u@h/db"
     assert mask_password("/var/lib/a:b@c") == "/var/lib/a:b@c"

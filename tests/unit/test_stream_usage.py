@@ -25,21 +25,31 @@ def test_null_usage_is_not_usage():
 
 
 def test_usage_on_a_content_chunk_is_read_but_not_dropped():
-    ev = b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                                   "usage": {"prompt_tokens": 1, "completion_tokens": 3}}) + b"\n\n"
+    ev = (
+        b"data: "
+        + orjson.dumps(
+            {
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 3},
+            }
+        )
+        + b"\n\n"
+    )
     out, usage = _take_usage(ev, strip=True)
     assert out == ev and usage["completion_tokens"] == 3
 
 
 # Events as llama-server (llama.cpp in llama-cpp-python 0.3.36) writes them, one token each.
-LLAMA = (b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],'
-         b'"created":1,"id":"c","model":"tiny","object":"chat.completion.chunk"}\n\n'
-         b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\xd1\x82"}}],"created":1,'
-         b'"id":"c","model":"tiny","object":"chat.completion.chunk"}\n\n'
-         b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" European"}}],"created":1,'
-         b'"id":"c","model":"tiny","object":"chat.completion.chunk"}\n\n'
-         b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1,"id":"c",'
-         b'"model":"tiny","object":"chat.completion.chunk"}\n\n')
+LLAMA = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],'
+    b'"created":1,"id":"c","model":"tiny","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\xd1\x82"}}],"created":1,'
+    b'"id":"c","model":"tiny","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" European"}}],"created":1,'
+    b'"id":"c","model":"tiny","object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1,"id":"c",'
+    b'"model":"tiny","object":"chat.completion.chunk"}\n\n'
+)
 
 
 def test_output_tokens_are_counted_from_events_as_engines_write_them():
@@ -48,15 +58,19 @@ def test_output_tokens_are_counted_from_events_as_engines_write_them():
     vllm_first = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
     assert _count_output(vllm_first + CHUNK, chat) == 1  # an empty string is no token
     reasoning = b'data: {"choices":[{"delta":{"reasoning_content":"hm","content":null}}]}\n\n'
-    tools = (b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":""}}]}}]}\n\n'
-             b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"a\\":"}}]}}]}\n\n')
+    tools = (
+        b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"f","arguments":""}}]}}]}\n\n'
+        b'data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"a\\":"}}]}}]}\n\n'
+    )
     assert _count_output(reasoning + tools, chat) == 2
     # Text that mentions the fields is escaped in JSON, so it is not counted twice.
     quoting = b"data: " + orjson.dumps({"choices": [{"delta": {"content": 'say "content":"x"'}}]}) + b"\n\n"
     assert _count_output(quoting, chat) == 1
     spaced = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: {"choices": [{"delta": {"content": ""}}]}\n\n'
     assert _count_output(spaced, _OUTPUT_FIELDS_SEEN["chat", True]) == 1
-    text = b'data: {"choices":[{"text":" lorem","index":0}]}\n\ndata: {"choices":[{"text":"","finish_reason":"stop"}]}\n\n'
+    text = (
+        b'data: {"choices":[{"text":" lorem","index":0}]}\n\ndata: {"choices":[{"text":"","finish_reason":"stop"}]}\n\n'
+    )
     assert _count_output(text, _OUTPUT_FIELDS_SEEN["completions", False]) == 1
 
 

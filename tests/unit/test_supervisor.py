@@ -20,7 +20,6 @@ from llmgw.agent.supervisor import (
     ENV_STATE_DIR,
     Role,
     ShardSpec,
-    ShardState,
     Supervisor,
     SupervisorError,
     UnknownShardError,
@@ -30,13 +29,15 @@ from llmgw.agent.supervisor import (
     read_environ,
     read_stat,
 )
+from llmgw.protocol import ShardState
+from llmgw.testing.waiting import async_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the supervisor reads /proc")
 
 # A fake engine: prints, optionally waits before listening, answers /health with
 # 503 while "loading", lists a model, can fail, ignore SIGTERM, fork a worker
 # into its group, or burn CPU.
-ENGINE = r'''
+ENGINE = r"""
 import argparse, http.server, json, os, signal, subprocess, sys, threading, time
 
 p = argparse.ArgumentParser()
@@ -110,7 +111,7 @@ class H(http.server.BaseHTTPRequestHandler):
 srv = http.server.ThreadingHTTPServer(("127.0.0.1", a.port), H)
 print(f"listening on {a.port}", flush=True)
 srv.serve_forever()
-'''
+"""
 
 
 def free_port() -> int:
@@ -144,8 +145,15 @@ async def make_sup(state_dir: Path):
     made: list[Supervisor] = []
 
     def make(**kw) -> Supervisor:
-        opts = dict(health_interval=0.05, poll_interval=0.05, log_interval=0.05, worker_settle=0.2,
-                    sweep_grace=1.0, stop_timeout=5.0, http_timeout=1.0)
+        opts = dict(
+            health_interval=0.05,
+            poll_interval=0.05,
+            log_interval=0.05,
+            worker_settle=0.2,
+            sweep_grace=1.0,
+            stop_timeout=5.0,
+            http_timeout=1.0,
+        )
         opts.update(kw)
         s = Supervisor(state_dir, **opts)
         made.append(s)
@@ -171,14 +179,6 @@ def worker(engine_py: Path, shard_id: str = "w1", *extra: str, **kw) -> ShardSpe
     return ShardSpec(shard_id=shard_id, role=Role.WORKER, argv=[sys.executable, str(engine_py), *extra], **kw)
 
 
-async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        await asyncio.sleep(0.02)
-
-
 def record(state_dir: Path, shard_id: str) -> dict:
     return orjson.loads((state_dir / "shards" / f"{shard_id}.json").read_bytes())
 
@@ -194,13 +194,16 @@ async def test_a_leader_goes_through_every_state_to_ready(make_sup, engine_py, s
     st = await sup.wait("s1", ShardState.READY, timeout=20)
     assert st.state is ShardState.READY, st
     assert st.detail == "serving tiny"
-    await until(lambda: ShardState.READY in seen, what="the ready report")
+    await async_until(lambda: ShardState.READY in seen, what="the ready report")
     assert seen == [ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY]
     rec = record(state_dir, "s1")
     assert rec["pid"] == st.pid
     assert rec["start_time"] == read_stat(st.pid).start_time
-    assert rec["fingerprint"] == st.fingerprint == leader(engine_py, "s1", 1).model_copy(
-        update={"argv": rec["spec"]["argv"]}).fingerprint
+    assert (
+        rec["fingerprint"]
+        == st.fingerprint
+        == leader(engine_py, "s1", 1).model_copy(update={"argv": rec["spec"]["argv"]}).fingerprint
+    )
     # The engine leads its own session and group, away from the agent's.
     assert os.getpgid(st.pid) == st.pid and os.getsid(st.pid) == st.pid
     assert os.getpgid(st.pid) != os.getpgid(0)
@@ -212,7 +215,7 @@ async def test_a_model_that_is_not_listed_keeps_the_shard_loading(make_sup, engi
     spec = leader(engine_py, "s1").model_copy(update={"model": "other"})
     await sup.start(spec)
     st = await sup.wait("s1", ShardState.LOADING, timeout=10)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # time passes to show the shard stays loading, not a wait for something
     st = sup.status("s1")
     assert st.state is ShardState.LOADING
     assert "lists tiny, not other" in st.detail
@@ -241,7 +244,9 @@ async def test_death_by_signal_is_said_in_words(make_sup, engine_py):
 
 async def test_a_missing_program_fails_with_the_reason(make_sup, tmp_path):
     sup = make_sup()
-    st = await sup.start(ShardSpec(shard_id="x", argv=[str(tmp_path / "no-such-engine")], base_url="http://127.0.0.1:1"))
+    st = await sup.start(
+        ShardSpec(shard_id="x", argv=[str(tmp_path / "no-such-engine")], base_url="http://127.0.0.1:1")
+    )
     assert st.state is ShardState.FAILED
     assert "No such file or directory" in st.detail and "no-such-engine" in st.detail
     assert st.pid is None
@@ -271,7 +276,7 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(make_sup, engine_py
     wfile = tmp_path / "worker.pid"
     st = await sup.start(leader(engine_py, "s1", None, "--ignore-term", "--worker-file", str(wfile), stop_timeout=0.7))
     await sup.wait("s1", timeout=10)
-    await until(lambda: wfile.exists() and wfile.read_text(), what="the worker pid")
+    await async_until(lambda: wfile.exists() and wfile.read_text(), what="the worker pid")
     wpid = int(wfile.read_text())
     assert os.getpgid(wpid) == st.pid  # the forked worker is in the engine's group
     t0 = time.monotonic()
@@ -282,18 +287,18 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(make_sup, engine_py
     assert st.exit == "was killed by SIGKILL (signal 9)"
     assert 0.6 < took < 5
     assert not alive(st.pid)
-    await until(lambda: not alive(wpid), timeout=5, what="the worker gone")
+    await async_until(lambda: not alive(wpid), timeout=5, what="the worker gone")
 
 
 async def test_a_worker_left_behind_in_the_group_is_killed_when_the_engine_dies(make_sup, engine_py, tmp_path):
     sup = make_sup()
     wfile = tmp_path / "worker.pid"
     st = await sup.start(worker(engine_py, "w1", "--worker-file", str(wfile), "--delay", "0.5", "--exit", "1"))
-    await until(lambda: wfile.exists() and wfile.read_text(), what="the worker pid")
+    await async_until(lambda: wfile.exists() and wfile.read_text(), what="the worker pid")
     wpid = int(wfile.read_text())
     st = await sup.wait("w1", ShardState.FAILED, timeout=10)
     assert st.state is ShardState.FAILED
-    await until(lambda: not alive(wpid), timeout=5, what="the orphaned rank gone")
+    await async_until(lambda: not alive(wpid), timeout=5, what="the orphaned rank gone")
 
 
 # ------------------------------------------------------------------ sidecars and workers
@@ -307,7 +312,9 @@ async def test_a_sidecar_and_an_engine_both_run_under_one_shard(make_sup, engine
     st = await sup.start(spec)
     st = await sup.wait("s1", timeout=10)
     assert st.state is ShardState.READY
-    await until(lambda: any(line == "[sidecar 0] sidecar up" for line in sup.tail("s1")), what="the sidecar's line")
+    await async_until(
+        lambda: any(line == "[sidecar 0] sidecar up" for line in sup.tail("s1")), what="the sidecar's line"
+    )
     assert "engine up" in sup.tail("s1")  # the engine's lines carry no prefix: distinguishable
     sidecar_pid = sup._shards["s1"].sidecars[0].pid
     assert st.pid != sidecar_pid  # the shard's pid is the engine's
@@ -323,7 +330,7 @@ async def test_a_sidecar_dies_with_a_failed_engine(make_sup, engine_py):
     sidecar_pid = sup._shards["s1"].sidecars[0].pid
     st = await sup.wait("s1", ShardState.FAILED, timeout=10)
     assert st.state is ShardState.FAILED
-    await until(lambda: not alive(sidecar_pid), timeout=5, what="the sidecar gone")
+    await async_until(lambda: not alive(sidecar_pid), timeout=5, what="the sidecar gone")
 
 
 async def test_a_workers_only_process_waits_for_the_leader(make_sup, engine_py):
@@ -337,7 +344,7 @@ async def test_a_workers_only_process_waits_for_the_leader(make_sup, engine_py):
     listener: list[socket.socket] = []
 
     async def open_later():
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the behaviour under test: the leader listens late
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
@@ -353,7 +360,7 @@ async def test_a_workers_only_process_waits_for_the_leader(make_sup, engine_py):
     await opener
     listener[0].close()
     assert st.state is ShardState.READY and st.detail == "worker alive"
-    await until(lambda: any(s is ShardState.STARTING for s, _ in seen), what="the starting report")
+    await async_until(lambda: any(s is ShardState.STARTING for s, _ in seen), what="the starting report")
     started_at = next(t for s, t in seen if s is ShardState.STARTING)
     assert started_at - t0 >= 0.45, "the worker started before the leader was listening"
 
@@ -364,8 +371,15 @@ async def test_a_leaders_engine_waits_for_its_own_sidecar(make_sup, engine_py, t
     port = free_port()
     started = tmp_path / "engine.started"
     head = [sys.executable, str(engine_py), "--port", str(port), "--delay", "0.5", "--say", "head up"]
-    spec = leader(engine_py, "s1", None, "--started-file", str(started), sidecars=[{"argv": head, "env": {"RAY": "1"}}],
-                  wait_for=f"127.0.0.1:{port}")
+    spec = leader(
+        engine_py,
+        "s1",
+        None,
+        "--started-file",
+        str(started),
+        sidecars=[{"argv": head, "env": {"RAY": "1"}}],
+        wait_for=f"127.0.0.1:{port}",
+    )
     sup = make_sup()
     t0 = time.monotonic()
     st = await sup.start(spec)
@@ -498,8 +512,18 @@ def _write_record(state_dir: Path, shard_id: str, pid: int, start_time: int, arg
     d = state_dir / "shards"
     d.mkdir(parents=True, exist_ok=True)
     p = d / f"{shard_id}.json"
-    p.write_bytes(orjson.dumps({"version": 1, "spec": spec.model_dump(mode="json"), "fingerprint": spec.fingerprint,
-                                "pid": pid, "start_time": start_time, "sidecars": []}))
+    p.write_bytes(
+        orjson.dumps(
+            {
+                "version": 1,
+                "spec": spec.model_dump(mode="json"),
+                "fingerprint": spec.fingerprint,
+                "pid": pid,
+                "start_time": start_time,
+                "sidecars": [],
+            }
+        )
+    )
     return p
 
 
@@ -507,7 +531,7 @@ async def test_a_zombie_is_dead(make_sup, state_dir):
     argv = [sys.executable, "-c", "pass"]
     child = subprocess.Popen(argv)
     try:
-        await until(lambda: (read_stat(child.pid) or parse_stat("1 (x) Z")).state == "Z", what="a zombie")
+        await async_until(lambda: (read_stat(child.pid) or parse_stat("1 (x) Z")).state == "Z", what="a zombie")
         assert not alive(child.pid)  # kill(pid, 0) would still say yes
         os.kill(child.pid, 0)
         path = _write_record(state_dir, "z", child.pid, read_stat(child.pid).start_time, argv)
@@ -568,12 +592,16 @@ async def test_engines_nothing_accounts_for_are_swept(make_sup, engine_py, state
     ours = {**os.environ, ENV_SHARD_ID: "ghost", ENV_STATE_DIR: str(state_dir.resolve())}
     theirs = {**os.environ, ENV_SHARD_ID: "ghost", ENV_STATE_DIR: str(tmp_path / "another-agent")}
     up = tmp_path / "stubborn.up"  # written once SIGTERM is ignored
-    stubborn = subprocess.Popen([sys.executable, str(engine_py), "--ignore-term", "--started-file", str(up)],
-                                env=ours, start_new_session=True, stdout=subprocess.DEVNULL)
+    stubborn = subprocess.Popen(
+        [sys.executable, str(engine_py), "--ignore-term", "--started-file", str(up)],
+        env=ours,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+    )
     plain = subprocess.Popen(["sleep", "60"], env=ours, start_new_session=True)
     foreign = subprocess.Popen(["sleep", "60"], env=theirs, start_new_session=True)
     try:
-        await until(up.exists, what="the stubborn engine up")
+        await async_until(up.exists, what="the stubborn engine up")
         sup = make_sup()
         report = await sup.adopt()
         assert sorted(k.pid for k in report.killed) == sorted([stubborn.pid, plain.pid])
@@ -592,7 +620,7 @@ async def test_the_sweep_spares_running_shards_and_their_children(make_sup, engi
     wfile = tmp_path / "worker.pid"
     st = await sup.start(leader(engine_py, "s1", None, "--worker-file", str(wfile)))
     await sup.wait("s1", timeout=10)
-    await until(lambda: wfile.exists() and wfile.read_text(), what="the worker pid")
+    await async_until(lambda: wfile.exists() and wfile.read_text(), what="the worker pid")
     assert await sup.sweep() == []
     assert alive(st.pid) and alive(int(wfile.read_text()))
 
@@ -633,7 +661,7 @@ async def test_load_is_measured_per_process_group(make_sup, engine_py):
     first = sup.usage()
     assert first["busy"].cpu_cores is None  # a rate needs two readings
     assert first["busy"].rss_bytes > 1 << 20 and first["busy"].processes == 1
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # the window the CPU rate is measured over
     second = sup.usage()
     # Loose bounds: other tests may share the machine's cores.
     assert 0.05 < second["busy"].cpu_cores < (os.cpu_count() or 1) + 0.5, second
@@ -643,12 +671,12 @@ async def test_load_is_measured_per_process_group(make_sup, engine_py):
 async def test_the_log_file_is_capped(make_sup, engine_py, state_dir):
     sup = make_sup(log_max_bytes=64 << 10, tail_lines=50)
     await sup.start(worker(engine_py, "w1", "--spam", "5000"))
-    await until(lambda: "spam done" in sup.tail("w1"), what="the last line in the tail")
+    await async_until(lambda: "spam done" in sup.tail("w1"), what="the last line in the tail")
     tail = sup.tail("w1", 5)
     assert tail[-1] == "spam done" and len(tail) == 5
     assert len(sup.tail("w1", 1000)) == 50
-    await asyncio.sleep(0.2)
-    sup.tail("w1")
+    # The follower rotates as it reads: poll it until the rotated copy is there.
+    await async_until(lambda: sup.tail("w1") and (state_dir / "logs" / "w1.log.1").exists(), what="the log rotated")
     log_file = state_dir / "logs" / "w1.log"
     assert log_file.stat().st_size <= 64 << 10
     assert (state_dir / "logs" / "w1.log.1").exists()
@@ -684,5 +712,12 @@ def test_stat_lines_with_awkward_names_parse():
     raw = "4242 (my ) (engine) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 3 0 987654 1000000 2560 18446744073709551615"
     st = parse_stat(raw + " 0" * 30)
     assert (st.pid, st.state, st.ppid, st.pgrp, st.jiffies, st.start_time, st.rss_pages) == (
-        4242, "S", 1, 4242, 300, 987654, 2560)
+        4242,
+        "S",
+        1,
+        4242,
+        300,
+        987654,
+        2560,
+    )
     assert parse_stat("garbage") is None

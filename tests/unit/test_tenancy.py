@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select, text
@@ -13,8 +13,9 @@ from llmgw.server.gateway.auth import AuthError, KeyCache, build_principal
 from llmgw.server.gateway.principal import Pool
 from llmgw.store import Ambiguous, NotFound, NotMember, Store, StoreError, UsageRow
 from llmgw.store.schema import key_claims, limits
+from llmgw.testing.waiting import async_until
 
-UTC = timezone.utc
+UTC = UTC
 
 
 @pytest.fixture
@@ -32,6 +33,7 @@ async def _acme(s: Store):
 
 
 # -- the tree --------------------------------------------------------------------
+
 
 async def test_tree_ids_paths_and_resolution(store):
     org, team, proj = await _acme(store)
@@ -70,7 +72,9 @@ async def test_tree_names_unique_among_siblings_only(store):
     await store.add_team("data", "Acme")
     await store.add_project("gateway", "Acme/data")  # same name, other parent: fine
     assert sorted(p.path for p in (await store.tree()).projects.values()) == [
-        "Acme/data/gateway", "Acme/platform/gateway"]
+        "Acme/data/gateway",
+        "Acme/platform/gateway",
+    ]
 
 
 async def test_rename_move_remove(store):
@@ -80,14 +84,14 @@ async def test_rename_move_remove(store):
     renamed = await store.rename("project", "Acme/platform/gateway", "gw")
     assert renamed.id == proj.id and renamed.path == "Acme/platform/gw"
     assert await store.keys_generation() == gen + 1
-    with pytest.raises(StoreError, match="named \"data\" there already"):
+    with pytest.raises(StoreError, match='named "data" there already'):
         await store.rename("team", "platform", "data")
     moved = await store.move("project", proj.id, "Acme/data")
     assert moved.path == "Acme/data/gw"
     with pytest.raises(StoreError, match="Only a team"):
         await store.move("org", "Acme", "Acme")
     await store.add_project("gw", "Acme/platform")
-    with pytest.raises(StoreError, match="has a project named \"gw\" already"):
+    with pytest.raises(StoreError, match='has a project named "gw" already'):
         await store.move("project", "Acme/platform/gw", "Acme/data")
     # Only empty things go.
     with pytest.raises(StoreError, match="not empty"):
@@ -111,6 +115,7 @@ async def test_rename_move_remove(store):
 
 
 # -- people ------------------------------------------------------------------------
+
 
 async def test_users_create_verify_state(store):
     u = await store.create_user("Ann@Example.com", "correct horse", name="Ann")
@@ -138,7 +143,9 @@ async def test_memberships_reach_and_leave_revokes(store):
     org, team, proj = await _acme(store)
     await store.add_project("other", "Acme/platform")
     u = await store.create_user("a@example.com", "password1")
-    with pytest.raises(NotMember, match=r"a@example.com is not a member of Acme/platform/gateway; `llmgw users join` first"):
+    with pytest.raises(
+        NotMember, match=r"a@example.com is not a member of Acme/platform/gateway; `llmgw users join` first"
+    ):
         await store.issue_key("k", project=proj.id, owner=u.id)
     with pytest.raises(StoreError, match="manager is a role in an organization"):
         await store.join(u.id, "team", team.id, role="manager")
@@ -168,6 +175,7 @@ async def test_memberships_reach_and_leave_revokes(store):
 
 
 # -- keys and claims ----------------------------------------------------------------
+
 
 async def test_issue_key_project_choice(store):
     with pytest.raises(StoreError, match="none yet"):
@@ -202,13 +210,17 @@ async def test_claim_works_once(store):
         await store.claim_key("nope")
     expired = await store.issue_key("k2", project=proj.id, claim=True, claim_ttl=timedelta(seconds=1))
     async with store.engine.begin() as conn:
-        await conn.execute(key_claims.update().where(key_claims.c.key_id == expired.key.id)
-                           .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+        await conn.execute(
+            key_claims.update()
+            .where(key_claims.c.key_id == expired.key.id)
+            .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        )
     with pytest.raises(StoreError, match="expired"):
         await store.claim_key(expired.claim_token)
 
 
 # -- limits ---------------------------------------------------------------------------
+
 
 async def test_limits_set_merge_clear_and_refusals(store):
     org, team, proj = await _acme(store)
@@ -253,6 +265,7 @@ async def test_limits_set_merge_clear_and_refusals(store):
 
 # -- principals ---------------------------------------------------------------------
 
+
 async def _principal(store, key_id, **defaults):
     tree = await store.tenancy_snapshot()
     (k,) = [k for k in await store.active_keys() if k.id == key_id]
@@ -267,7 +280,13 @@ async def test_principal_pools_band_models(store):
     kid = issued.key.id
     p = await _principal(store, kid, rpm=100, tpm=10000)
     assert (p.project, p.project_id, p.team_id, p.org_id, p.user_id, p.band) == (
-        "Acme/platform/gateway", proj.id, team.id, org.id, u.id, "normal")
+        "Acme/platform/gateway",
+        proj.id,
+        team.id,
+        org.id,
+        u.id,
+        "normal",
+    )
     assert p.pools == (Pool(f"default:{kid}", 100, 10000),) and p.models is None
     await store.set_limits("org", org.id, band="low", tpm=5000, models=["a", "b", "c"])
     await store.set_limits("team", team.id, band="high")
@@ -278,8 +297,13 @@ async def test_principal_pools_band_models(store):
     await store.set_limits("project", proj.id, models=["c", "b"])
     p = await _principal(store, kid, rpm=100, tpm=10000)
     assert p.band == "high"  # the team's: the nearest level with a band
-    assert [q.key for q in p.pools] == [f"key:{kid}", f"project-member:{proj.id}:{u.id}",
-                                        f"org-member:{org.id}:{u.id}", f"org:{org.id}", f"user:{u.id}"]
+    assert [q.key for q in p.pools] == [
+        f"key:{kid}",
+        f"project-member:{proj.id}:{u.id}",
+        f"org-member:{org.id}:{u.id}",
+        f"org:{org.id}",
+        f"user:{u.id}",
+    ]
     assert p.pools[2] == Pool(f"org-member:{org.id}:{u.id}", None, None, 7, "day")
     assert p.models == frozenset({"b", "c"})
     # The defaults only for a kind no level limits: tpm is set by the org, rpm by the key.
@@ -325,21 +349,31 @@ async def test_key_cache_reloads_on_tree_and_limit_changes(store):
     header = f"Bearer {issued.secret}"
     assert cache.authenticate(header).pools == (Pool(f"default:{issued.key.id}", 60),)
     cache.start()
+
+    def refusal() -> AuthError | None:
+        try:
+            cache.authenticate(header)
+        except AuthError as exc:
+            return exc
+        return None
+
     try:
-        import asyncio
         await store.set_limits("team", team.id, rpm=5)
-        await asyncio.sleep(0.3)
+        await async_until(
+            lambda: [q.key for q in cache.authenticate(header).pools] == [f"team:{team.id}"],
+            what="the team's limit loaded",
+        )
         assert [q.key for q in cache.authenticate(header).pools] == [f"team:{team.id}"]
         await store.rename("project", proj.id, "gw")
-        await asyncio.sleep(0.3)
+        await async_until(lambda: cache.authenticate(header).project == "Acme/platform/gw", what="the new name loaded")
         assert cache.authenticate(header).project == "Acme/platform/gw"
         await store.set_user_state(u.id, "suspended")
-        await asyncio.sleep(0.3)
+        await async_until(lambda: "suspended" in str(refusal() or ""), what="the suspension loaded")
         with pytest.raises(AuthError, match="suspended"):
             cache.authenticate(header)
         await store.set_user_state(u.id, "active")
         await store.leave(u.id, "project", proj.id)
-        await asyncio.sleep(0.3)
+        await async_until(lambda: getattr(refusal(), "code", None) == "revoked_api_key", what="the departure loaded")
         with pytest.raises(AuthError) as ei:
             cache.authenticate(header)
         assert ei.value.code == "revoked_api_key"
@@ -349,17 +383,32 @@ async def test_key_cache_reloads_on_tree_and_limit_changes(store):
 
 # -- usage ----------------------------------------------------------------------------
 
+
 async def test_usage_cost_since(store):
     now = datetime.now(UTC)
 
     def row(key, cost, at=now, user="usr-1", proj="proj-1"):
-        return UsageRow(model="m", endpoint="/v1/chat/completions", status=200, latency_ms=1.0, key_id=key,
-                        user_id=user, project_id=proj, team_id="team-1", org_id="org-1", cost_micros=cost, at=at)
+        return UsageRow(
+            model="m",
+            endpoint="/v1/chat/completions",
+            status=200,
+            latency_ms=1.0,
+            key_id=key,
+            user_id=user,
+            project_id=proj,
+            team_id="team-1",
+            org_id="org-1",
+            cost_micros=cost,
+            at=at,
+        )
 
-    await store.insert_usage([row("k1", 10), row("k1", 5), row("k2", 3, proj=None),
-                              row("k1", 100, at=now - timedelta(days=2)), row("k3", 0)])
-    got = sorted((r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, r.cost_micros)
-                 for r in await store.usage_cost_since(now - timedelta(hours=1)))
+    await store.insert_usage(
+        [row("k1", 10), row("k1", 5), row("k2", 3, proj=None), row("k1", 100, at=now - timedelta(days=2)), row("k3", 0)]
+    )
+    got = sorted(
+        (r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, r.cost_micros)
+        for r in await store.usage_cost_since(now - timedelta(hours=1))
+    )
     assert got == [("k1", "usr-1", "proj-1", "team-1", "org-1", 15), ("k2", "usr-1", None, "team-1", "org-1", 3)]
     before = await store.usage_cost_since(now - timedelta(days=3), until=now - timedelta(hours=1))
     assert [(r.key_id, r.cost_micros) for r in before] == [("k1", 100)]
@@ -383,11 +432,25 @@ async def test_upgrade_from_0003_keeps_keys_and_usage(address):
     try:
         async with engine.begin() as conn:
             await conn.run_sync(lambda c: command.upgrade(_alembic_config(c), "0003"))
-            await conn.execute(api_keys.insert().values(id="key-old", name="old", prefix="llmgw-abcdefgh",
-                                                        hash="0" * 64, project="web", created_at=at))
-            await conn.execute(usage.insert().values(at=at, key_id="key-old", project="web", model="m",
-                                                     endpoint="/e", prompt_tokens=1, completion_tokens=2,
-                                                     latency_ms=1.0, status=200, stream=False))
+            await conn.execute(
+                api_keys.insert().values(
+                    id="key-old", name="old", prefix="llmgw-abcdefgh", hash="0" * 64, project="web", created_at=at
+                )
+            )
+            await conn.execute(
+                usage.insert().values(
+                    at=at,
+                    key_id="key-old",
+                    project="web",
+                    model="m",
+                    endpoint="/e",
+                    prompt_tokens=1,
+                    completion_tokens=2,
+                    latency_ms=1.0,
+                    status=200,
+                    stream=False,
+                )
+            )
     finally:
         await engine.dispose()
     async with await Store.open(address) as s:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llmgw.agent.provision import llamacpp_source
-from llmgw.testing import tiny_model as tm
+from llmgw.up import tiny_model as tm
 
 N_VOCAB = 300
 
@@ -56,10 +56,18 @@ def test_writes_a_llama_gguf_with_copied_vocab(tmp_path, vocab):
     assert _field(r, "llama.vocab_size") == N_VOCAB
 
     src = gguf.GGUFReader(vocab)
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                "tokenizer.ggml.merges", "tokenizer.ggml.model", "tokenizer.ggml.pre",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.add_bos_token"):
+    for key in (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.scores",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.pre",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.add_bos_token",
+    ):
         assert _field(r, key) == _field(src, key), key
         assert r.fields[key].types == src.fields[key].types, key
     # Our chat template replaces whatever the vocab file had.
@@ -116,7 +124,8 @@ def test_tiny_model_path_uses_cache_and_vocab_path(tmp_path, vocab, monkeypatch)
 
 
 def test_chat_template_renders():
-    jinja2 = pytest.importorskip("jinja2")
+    import jinja2  # declared in the test extra: a missing one is a failure, not a skip
+
     tpl = jinja2.Environment().from_string(tm.CHAT_TEMPLATE)
     text = tpl.render(
         messages=[

@@ -12,11 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmgw import up
 from llmgw.config.agent import load_agent_config
 from llmgw.config.server import DEFAULT_LLAMACPP, load_server_config
 from llmgw.pki import common_name, init_ca, load_cert, san_names, verify_issued_by
 from llmgw.protocol import ByteProgress, ProvisionState, ProvisionStatus
+from llmgw.up import UpError
+from llmgw.up.config import mirror_ports, write_agent_config, write_server_config
+from llmgw.up.engine import LocalRelease, check_llama_server
+from llmgw.up.model import Choice
+from llmgw.up.pki import ensure_pki
+from llmgw.up.processes import MirrorProcess, agent_command, kill_leftovers, mirror_command
+from llmgw.up.watch import describe, engine_pids
 
 
 def _mode(p: Path) -> int:
@@ -24,7 +30,7 @@ def _mode(p: Path) -> int:
 
 
 def test_certificates_are_made_private_and_signed_by_their_own_authority(tmp_path):
-    pki, made = up.ensure_pki(tmp_path)
+    pki, made = ensure_pki(tmp_path)
     assert len(made) == 3 and pki.dir == tmp_path / "pki"
     for cert in (pki.server, pki.client):
         verify_issued_by(pki.ca, cert)
@@ -36,21 +42,21 @@ def test_certificates_are_made_private_and_signed_by_their_own_authority(tmp_pat
 
 
 def test_certificates_are_reused_on_a_later_run(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
+    pki, _ = ensure_pki(tmp_path)
     before = {p: p.read_bytes() for p in pki.dir.iterdir()}
     pki.client_key.chmod(0o644)
-    again, made = up.ensure_pki(tmp_path)
+    again, made = ensure_pki(tmp_path)
     assert made == [] and again == pki
     assert {p: p.read_bytes() for p in pki.dir.iterdir()} == before
     assert _mode(pki.client_key) == 0o600  # put right on reuse too
 
 
 def test_certificates_from_another_authority_are_issued_again(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
+    pki, _ = ensure_pki(tmp_path)
     # The authority is replaced (say, restored from elsewhere): its leaves no longer verify.
     init_ca(pki.dir, force=True)
     ca = pki.ca.read_bytes()
-    _, made = up.ensure_pki(tmp_path)
+    _, made = ensure_pki(tmp_path)
     assert made == ["control plane certificate", "agent certificate (local)"]
     assert pki.ca.read_bytes() == ca
     verify_issued_by(pki.ca, pki.server)
@@ -58,29 +64,38 @@ def test_certificates_from_another_authority_are_issued_again(tmp_path):
 
 
 def test_a_missing_key_is_issued_again(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
+    pki, _ = ensure_pki(tmp_path)
     pki.server_key.unlink()
-    _, made = up.ensure_pki(tmp_path)
+    _, made = ensure_pki(tmp_path)
     assert made == ["control plane certificate"]
 
 
 def test_a_broken_authority_is_replaced_with_everything_it_signed(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
+    pki, _ = ensure_pki(tmp_path)
     pki.ca.write_text("not a certificate")
-    _, made = up.ensure_pki(tmp_path)
+    _, made = ensure_pki(tmp_path)
     assert made == ["certificate authority", "control plane certificate", "agent certificate (local)"]
 
 
-def _choice(tmp_path: Path, noise: bool = False) -> up.Choice:
+def _choice(tmp_path: Path, noise: bool = False) -> Choice:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 16)
-    return up.Choice(str(model.resolve()), "my-model", model.name, noise=noise)
+    return Choice(str(model.resolve()), "my-model", model.name, noise=noise)
 
 
 def test_server_config_runs_the_model_through_the_control_plane(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
-    path = up.write_server_config(tmp_path, _choice(tmp_path), pki, port=18080, admin_port=19090, agent_port=17443,
-                                  host="127.0.0.1", ctx_size=2048, parallel=3)
+    pki, _ = ensure_pki(tmp_path)
+    path = write_server_config(
+        tmp_path,
+        _choice(tmp_path),
+        pki,
+        port=18080,
+        admin_port=19090,
+        agent_port=17443,
+        host="127.0.0.1",
+        ctx_size=2048,
+        parallel=3,
+    )
     cfg = load_server_config(path)
     assert cfg.control.enabled and str(cfg.agent_listen) == "127.0.0.1:17443"
     assert cfg.agent_tls.ca == str(pki.ca) and cfg.agent_tls.cert == str(pki.server)
@@ -95,18 +110,38 @@ def test_server_config_runs_the_model_through_the_control_plane(tmp_path):
 
 
 def test_server_config_can_name_a_release_mirror(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
-    path = up.write_server_config(tmp_path, _choice(tmp_path), pki, port=1, admin_port=2, agent_port=3, host="",
-                                  ctx_size=1, parallel=1, release_url="http://127.0.0.1:9/")
+    pki, _ = ensure_pki(tmp_path)
+    path = write_server_config(
+        tmp_path,
+        _choice(tmp_path),
+        pki,
+        port=1,
+        admin_port=2,
+        agent_port=3,
+        host="",
+        ctx_size=1,
+        parallel=1,
+        release_url="http://127.0.0.1:9/",
+    )
     assert load_server_config(path).engines.release_url == "http://127.0.0.1:9/"
 
 
 def test_server_config_names_ups_mirror_and_its_source(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
-    choice = up.Choice("http://127.0.0.1:18081/tiny-test/v1/t.gguf", "tiny-test", "t.gguf", noise=True)
-    path = up.write_server_config(tmp_path, choice, pki, port=1, admin_port=2, agent_port=3, host="",
-                                  ctx_size=1, parallel=1, mirror_api="http://127.0.0.1:18082",
-                                  mirror_token_file=tmp_path / "mirror.api-token")
+    pki, _ = ensure_pki(tmp_path)
+    choice = Choice("http://127.0.0.1:18081/tiny-test/v1/t.gguf", "tiny-test", "t.gguf", noise=True)
+    path = write_server_config(
+        tmp_path,
+        choice,
+        pki,
+        port=1,
+        admin_port=2,
+        agent_port=3,
+        host="",
+        ctx_size=1,
+        parallel=1,
+        mirror_api="http://127.0.0.1:18082",
+        mirror_token_file=tmp_path / "mirror.api-token",
+    )
     cfg = load_server_config(path)
     assert cfg.mirror.api == "http://127.0.0.1:18082" and cfg.mirror.tls is None
     assert cfg.mirror.token_file == str(tmp_path / "mirror.api-token")
@@ -117,20 +152,20 @@ def test_server_config_names_ups_mirror_and_its_source(tmp_path):
 def test_mirror_ports_are_kept_while_free(tmp_path):
     import socket
 
-    first = up.mirror_ports(tmp_path)
-    assert first[0] != first[1] and up.mirror_ports(tmp_path) == first  # the same source URL on the next run
+    first = mirror_ports(tmp_path)
+    assert first[0] != first[1] and mirror_ports(tmp_path) == first  # the same source URL on the next run
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", first[1]))
-        again = up.mirror_ports(tmp_path)
+        again = mirror_ports(tmp_path)
     assert again != first and again[1] != first[1]
-    assert up.mirror_ports(tmp_path) == again
+    assert mirror_ports(tmp_path) == again
     (tmp_path / "mirror.json").write_text("not json")
-    assert len(set(up.mirror_ports(tmp_path))) == 2
+    assert len(set(mirror_ports(tmp_path))) == 2
 
 
 def test_agent_config_keeps_everything_under_the_data_directory(tmp_path):
-    pki, _ = up.ensure_pki(tmp_path)
-    cfg = load_agent_config(up.write_agent_config(tmp_path, pki, 17443))
+    pki, _ = ensure_pki(tmp_path)
+    cfg = load_agent_config(write_agent_config(tmp_path, pki, 17443))
     assert cfg.addresses() == ["https://127.0.0.1:17443"] and cfg.node_id == "local"
     assert (cfg.tls.ca, cfg.tls.cert, cfg.tls.key) == (str(pki.ca), str(pki.client), str(pki.client_key))
     for d in (cfg.weights_cache, cfg.engines_dir, cfg.supervisor.work_dir):
@@ -138,20 +173,38 @@ def test_agent_config_keeps_everything_under_the_data_directory(tmp_path):
     assert cfg.supervisor.stop_engines_on_exit
 
 
-def test_agent_command(monkeypatch, tmp_path):
+def test_the_agent_command_runs_this_python_or_the_frozen_binary(monkeypatch, tmp_path):
     cfg = tmp_path / "agent.yaml"
-    assert up.agent_command(cfg) == [sys.executable, "-m", "llmgw.cli.main", "agent", "--config", str(cfg)]
+    assert agent_command(cfg) == [sys.executable, "-m", "llmgw.cli.main", "agent", "--config", str(cfg)]
     monkeypatch.setattr(sys, "frozen", True, raising=False)
-    assert up.agent_command(cfg) == [sys.executable, "agent", "--config", str(cfg)]
+    assert agent_command(cfg) == [sys.executable, "agent", "--config", str(cfg)]
 
 
-def test_mirror_command(monkeypatch, tmp_path):
-    args = ["mirror", "--dir", str(tmp_path), "serve", "--listen", "127.0.0.1:1", "--api-listen", "127.0.0.1:2",
-            "--base", "http://127.0.0.1:1", "--api-allow", "127.0.0.1", "--api-token-file", str(tmp_path / "t")]
-    assert up.mirror_command(tmp_path, "127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:1", tmp_path / "t") == \
-        [sys.executable, "-m", "llmgw.cli.main", *args]
+def test_the_mirror_command_runs_this_python_or_the_frozen_binary(monkeypatch, tmp_path):
+    args = [
+        "mirror",
+        "--dir",
+        str(tmp_path),
+        "serve",
+        "--listen",
+        "127.0.0.1:1",
+        "--api-listen",
+        "127.0.0.1:2",
+        "--base",
+        "http://127.0.0.1:1",
+        "--api-allow",
+        "127.0.0.1",
+        "--api-token-file",
+        str(tmp_path / "t"),
+    ]
+    assert mirror_command(tmp_path, "127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:1", tmp_path / "t") == [
+        sys.executable,
+        "-m",
+        "llmgw.cli.main",
+        *args,
+    ]
     monkeypatch.setattr(sys, "frozen", True, raising=False)
-    m = up.MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)
+    m = MirrorProcess(tmp_path / "mirror", tmp_path / "mirror.log", 18081, 18082)
     assert m.cmd[0] == sys.executable and m.cmd[1] == "mirror" and "llmgw.cli.main" not in m.cmd
     assert (m.base, m.api) == ("http://127.0.0.1:18081", "http://127.0.0.1:18082")
 
@@ -160,7 +213,7 @@ def test_a_given_llama_server_is_offered_as_a_release(tmp_path):
     binary = tmp_path / "llama-server"
     binary.write_bytes(b"#!/bin/sh\n")
     binary.chmod(0o755)
-    rel = up.LocalRelease(binary, "b1")
+    rel = LocalRelease(binary, "b1")
     asset = "llama-b1-bin-ubuntu-x64.tar.gz"
     archive = rel.body(f"/b1/{asset}")
     assert rel.body(f"/b1/{asset}.sha256").decode() == f"{hashlib.sha256(archive).hexdigest()}  {asset}\n"
@@ -171,44 +224,51 @@ def test_a_given_llama_server_is_offered_as_a_release(tmp_path):
 
 
 def _node(state=None, detail=None, progress=None, connected=True):
-    prov = {} if state is None else {"llamacpp": ProvisionStatus(engine="llamacpp", version="b1", state=state,
-                                                                  detail=detail, progress=progress)}
+    prov = (
+        {}
+        if state is None
+        else {
+            "llamacpp": ProvisionStatus(engine="llamacpp", version="b1", state=state, detail=detail, progress=progress)
+        }
+    )
     return SimpleNamespace(connected=connected, provision=prov)
 
 
 def test_progress_in_words():
-    assert "connect" in up.describe(None, []).words
-    p = up.describe(_node(ProvisionState.INSTALLING, "building llama-server from source: build 40%"), [])
+    assert "connect" in describe(None, []).words
+    p = describe(_node(ProvisionState.INSTALLING, "building llama-server from source: build 40%"), [])
     assert p.words == "installing llama.cpp: building llama-server from source: build 40%" and p.failure is None
-    p = up.describe(_node(ProvisionState.INSTALLING, "downloading x", ByteProgress(bytes_done=5, bytes_total=10)), [])
+    p = describe(_node(ProvisionState.INSTALLING, "downloading x", ByteProgress(bytes_done=5, bytes_total=10)), [])
     assert p.words == "installing llama.cpp: downloading x (50%)"
-    assert "placing" in up.describe(_node(ProvisionState.READY), []).words
-    row = {"state": "starting", "shards": [{"state": "pending", "pid": None,
-                                             "fetch": {"percent": 25.0, "bytes_done": 1, "bytes_total": 4}}]}
-    assert up.describe(_node(ProvisionState.READY), [row]).words == "fetching the weights 25%"
+    assert "placing" in describe(_node(ProvisionState.READY), []).words
+    row = {
+        "state": "starting",
+        "shards": [{"state": "pending", "pid": None, "fetch": {"percent": 25.0, "bytes_done": 1, "bytes_total": 4}}],
+    }
+    assert describe(_node(ProvisionState.READY), [row]).words == "fetching the weights 25%"
     row = {"state": "starting", "shards": [{"state": "loading", "pid": 7}]}
-    assert "starting llama-server" in up.describe(_node(ProvisionState.READY), [row]).words
-    assert up.engine_pids([row]) == {7}
+    assert "starting llama-server" in describe(_node(ProvisionState.READY), [row]).words
+    assert engine_pids([row]) == {7}
 
 
 def test_failures_in_words():
-    p = up.describe(_node(ProvisionState.FAILED, "no compiler"), [])
+    p = describe(_node(ProvisionState.FAILED, "no compiler"), [])
     assert p.failure == "installing llama.cpp failed: no compiler"
     row = {"state": "failed", "reason": "llama-server exited with status 1", "shards": []}
-    p = up.describe(_node(ProvisionState.READY), [row])
+    p = describe(_node(ProvisionState.READY), [row])
     assert p.failure == "the engine failed to start: llama-server exited with status 1"
     status = {"backoff": {"failures": 1, "retry_in_s": 5.0, "last_failure": "shard x failed: exited with status 1"}}
-    p = up.describe(_node(ProvisionState.READY), [], status)
+    p = describe(_node(ProvisionState.READY), [], status)
     assert p.failure == "the engine failed to start: shard x failed: exited with status 1"
-    assert "no node has" in up.describe(_node(ProvisionState.READY), [], {"problem": "no node has room"}).words
+    assert "no node has" in describe(_node(ProvisionState.READY), [], {"problem": "no node has room"}).words
     # A replacement already on its way: not the end.
-    assert up.describe(_node(ProvisionState.READY), [row, {"state": "starting", "shards": []}]).failure is None
+    assert describe(_node(ProvisionState.READY), [row, {"state": "starting", "shards": []}]).failure is None
 
 
 def test_kill_leftovers_ignores_gone_processes():
-    assert up.kill_leftovers({2**22 + 12345}) == []
+    assert kill_leftovers({2**22 + 12345}) == []
 
 
 def test_check_llama_server(tmp_path):
-    with pytest.raises(up.UpError, match="not an executable"):
-        up.check_llama_server(str(tmp_path / "nope"))
+    with pytest.raises(UpError, match="not an executable"):
+        check_llama_server(str(tmp_path / "nope"))

@@ -8,7 +8,7 @@ import logging
 import sqlite3
 import stat
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -17,8 +17,9 @@ from llmgw.server.gateway.usage import JournalError, UsageRecorder
 from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
 from llmgw.server.metrics import GatewayMetrics
 from llmgw.store import Store, UsageRow
+from llmgw.testing.waiting import async_until
 
-UTC = timezone.utc
+UTC = UTC
 
 
 def _row(i: int = 0, **kw) -> UsageRow:
@@ -53,7 +54,7 @@ class StubbornSink(Sink):
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the slow unwind is what this fake is for
             raise
 
 
@@ -76,12 +77,29 @@ def _dropped_metric(rec: UsageRecorder) -> float:
 
 # -- the journal file ---------------------------------------------------------------
 
+
 def test_rows_appended_to_the_journal_read_back_as_they_were_written(tmp_path):
     j = _journal(tmp_path)
     at = datetime(2025, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
-    full = UsageRow(model="llama", endpoint="http://n1:8000", status=200, latency_ms=12.5, key_id="k1",
-                    project="p", served_model="llama-3b", prompt_tokens=10, completion_tokens=5, ttft_ms=3.25,
-                    stream=True, at=at, user_id="u", project_id="pr", team_id="t", org_id="o", cost_micros=42)
+    full = UsageRow(
+        model="llama",
+        endpoint="http://n1:8000",
+        status=200,
+        latency_ms=12.5,
+        key_id="k1",
+        project="p",
+        served_model="llama-3b",
+        prompt_tokens=10,
+        completion_tokens=5,
+        ttft_ms=3.25,
+        stream=True,
+        at=at,
+        user_id="u",
+        project_id="pr",
+        team_id="t",
+        org_id="o",
+        cost_micros=42,
+    )
     sparse = UsageRow(model="x", endpoint="http://e", status=401, latency_ms=1, at=at)
     j.append([full, sparse])
     j.append([_row(3)])
@@ -115,11 +133,17 @@ def test_damaged_lines_are_skipped_with_the_reason_and_the_rest_is_read(tmp_path
     j.append([good])
     with open(j.path, "ab") as f:
         f.write(b"[1, 2]\n")
-        f.write(b'{"model": "m", "endpoint": "e", "status": 200, "latency_ms": 1.0, "at": "2025-03-01T00:00:00+00:00"}\n')
-        f.write(b'{"model": "m", "endpoint": "e", "status": "200", "latency_ms": 1.0, '
-                b'"at": "2025-03-01T00:00:00+00:00", "request_id": "a"}\n')
-        f.write(b'{"model": "m", "endpoint": "e", "status": 200, "latency_ms": 1.0, '
-                b'"at": "2025-03-01T00:00:00", "request_id": "b"}\n')
+        f.write(
+            b'{"model": "m", "endpoint": "e", "status": 200, "latency_ms": 1.0, "at": "2025-03-01T00:00:00+00:00"}\n'
+        )
+        f.write(
+            b'{"model": "m", "endpoint": "e", "status": "200", "latency_ms": 1.0, '
+            b'"at": "2025-03-01T00:00:00+00:00", "request_id": "a"}\n'
+        )
+        f.write(
+            b'{"model": "m", "endpoint": "e", "status": 200, "latency_ms": 1.0, '
+            b'"at": "2025-03-01T00:00:00", "request_id": "b"}\n'
+        )
         f.write(b"\x00" * 4096)  # zeroed blocks a crash can leave at the end: not a row at all
         f.write(b'{"model": "m", "endpoint": "e", "status": 200')  # no end
     rows, torn = j.read()
@@ -140,6 +164,7 @@ def test_a_missing_journal_reads_as_empty_and_removing_it_is_harmless(tmp_path):
 
 # -- the store skips request ids it holds ----------------------------------------------
 
+
 async def test_rows_whose_request_id_is_stored_are_skipped_on_both_backends(store):
     a, b, c = _row(1), _row(2), _row(3)
     await store.insert_usage([a, b])
@@ -153,6 +178,7 @@ async def test_rows_whose_request_id_is_stored_are_skipped_on_both_backends(stor
 
 
 # -- replay at start ------------------------------------------------------------------
+
 
 async def test_replay_writes_the_journal_to_the_store_once_and_removes_it(tmp_path, store):
     j = _journal(tmp_path)
@@ -213,6 +239,7 @@ async def test_torn_lines_at_replay_are_logged_and_counted_as_dropped(tmp_path, 
 
 # -- stop: the final flush and its limit ---------------------------------------------------
 
+
 async def test_stop_writes_what_is_queued_when_the_store_takes_it(tmp_path):
     sink = Sink()
     j = _journal(tmp_path)
@@ -236,8 +263,10 @@ async def test_rows_the_store_refuses_at_stop_go_to_the_journal(tmp_path, caplog
         await rec.stop()
     assert j.read()[0] == rows
     assert rec.journaled == 5 and rec.dropped == 0 and rec.pending == 0
-    assert any("5 usage rows kept in the usage journal" in r.getMessage() and "connection refused" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "5 usage rows kept in the usage journal" in r.getMessage() and "connection refused" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 async def test_the_final_flush_gives_up_on_a_store_that_hangs_within_its_limit(tmp_path, caplog):
@@ -307,6 +336,7 @@ async def test_rows_recorded_after_stop_go_to_the_journal(tmp_path):
 
 # -- dropped means dropped ---------------------------------------------------------------
 
+
 async def test_rows_lost_because_the_journal_cannot_be_written_are_counted_and_logged(tmp_path, caplog):
     (tmp_path / "data").write_text("a file where the data directory should be")
     sink = Sink()
@@ -331,8 +361,11 @@ async def test_rows_beyond_the_queue_limit_are_counted_and_each_logged_as_an_err
         assert rec.pending == 100 and rec.dropped == 50 and _dropped_metric(rec) == 50
         await rec.stop()
     # One line at once, the rest summed up (here at stop): every dropped row is in a line.
-    counts = [int(r.getMessage().split()[0]) for r in caplog.records
-              if r.levelno == logging.ERROR and "queue holds 100 rows" in r.getMessage()]
+    counts = [
+        int(r.getMessage().split()[0])
+        for r in caplog.records
+        if r.levelno == logging.ERROR and "queue holds 100 rows" in r.getMessage()
+    ]
     assert counts == [1, 49]
     assert rec.journaled == 100  # the queued ones were kept
 
@@ -347,10 +380,7 @@ async def test_a_failed_periodic_write_keeps_the_rows_and_is_written_later(caplo
             rec.record(_row(1))
             await asyncio.wait_for(sink.started.wait(), 5)
             sink.fail = False
-            deadline = time.monotonic() + 5
-            while not sink.rows:
-                assert time.monotonic() < deadline, "the row was not written after the store came back"
-                await asyncio.sleep(0.01)
+            await async_until(lambda: sink.rows, 5, "the row written after the store came back")
         assert rec.dropped == 0 and rec.pending == 0
         assert any("will retry" in r.getMessage() for r in caplog.records)
     finally:

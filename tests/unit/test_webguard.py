@@ -32,8 +32,10 @@ def test_a_foreign_origin_a_cross_site_fetch_and_a_non_json_write_are_refused():
     assert GUARD.refusal(_req(Host="127.0.0.1:9090", Origin="null"))[2] == "cross_origin"
     assert GUARD.refusal(_req(Host="127.0.0.1:9090", **{"Sec-Fetch-Site": "cross-site"}))[2] == "cross_origin"
     assert GUARD.refusal(_req("POST", Host="127.0.0.1:9090", **{"Content-Type": "text/plain"}))[0] == 415
-    assert GUARD.refusal(_req("POST", Host="127.0.0.1:9090",
-                              **{"Content-Type": "application/x-www-form-urlencoded"}))[0] == 415
+    assert (
+        GUARD.refusal(_req("POST", Host="127.0.0.1:9090", **{"Content-Type": "application/x-www-form-urlencoded"}))[0]
+        == 415
+    )
     assert GUARD.refusal(_req("POST", Host="127.0.0.1:9090", **{"Content-Type": "application/json"})) is None
     status, message, code = GUARD.refusal(_req(Host="evil.example:9090"))
     assert (status, code) == (421, "host_not_allowed") and "admin_hosts" in message

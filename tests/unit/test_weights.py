@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestServer
 
 from llmgw.agent import weights as w
 from llmgw.agent.weights import COMPLETE_MARKER, SourceKind, WeightsCache, WeightsError
+from llmgw.testing.waiting import async_until
 
 BLOB = bytes(range(256)) * 4096  # 1 MiB, every byte position distinguishable
 
@@ -94,10 +95,10 @@ class Origin:
     async def until_received(self, n: int) -> None:
         # aiohttp's client drops bytes still in its buffer when the connection
         # breaks; a real cut comes after the client has written what it read.
-        for _ in range(500):
-            if any(p.stat().st_size >= n for p in self.cache_root.rglob("*.part")):
-                return
-            await asyncio.sleep(0.01)
+        await async_until(
+            lambda: any(p.stat().st_size >= n for p in self.cache_root.rglob("*.part")),
+            what=f"the client to have written {n} bytes",
+        )
 
     def count(self, path: str) -> int:
         return sum(1 for p, _ in self.requests if p == path)
@@ -199,7 +200,10 @@ async def test_a_model_id_and_a_local_path_pass_through(cache, tmp_path):
 
 def test_hf_sources_are_fetched_from_the_hub(tmp_path):
     c = WeightsCache(tmp_path, hf_endpoint="http://hub.internal/")
-    assert c.url_for("hf:Qwen/Qwen2.5-GGUF/sub/q 4.gguf") == "http://hub.internal/Qwen/Qwen2.5-GGUF/resolve/main/sub/q%204.gguf"
+    assert (
+        c.url_for("hf:Qwen/Qwen2.5-GGUF/sub/q 4.gguf")
+        == "http://hub.internal/Qwen/Qwen2.5-GGUF/resolve/main/sub/q%204.gguf"
+    )
     assert c.url_for("http://m/x.gguf") == "http://m/x.gguf"
 
 
@@ -225,9 +229,8 @@ async def test_concurrent_fetches_of_one_source_make_one_download(origin, cache)
     src = origin.base + "/big.gguf"
     seen: list[list[tuple[int, int | None]]] = [[] for _ in range(8)]
     waiters = [asyncio.create_task(cache.fetch(src, lambda d, t, i=i: seen[i].append((d, t)))) for i in range(8)]
-    while not origin.requests:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+    await async_until(lambda: origin.requests, what="the origin to be asked")
+    await asyncio.sleep(0.05)  # a pause in which a second download would start, were it let
     assert cache.is_fetching(src)
     origin.gate.set()
     paths = await asyncio.gather(*waiters)
@@ -242,8 +245,7 @@ async def test_concurrent_waiters_share_one_error(origin, cache):
     origin.gate = asyncio.Event()
     src = origin.base + "/absent.gguf"
     waiters = [asyncio.create_task(cache.fetch(src)) for _ in range(4)]
-    while not origin.requests:
-        await asyncio.sleep(0.01)
+    await async_until(lambda: origin.requests, what="the origin to be asked")
     origin.gate.set()
     results = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(r, WeightsError) and "404" in str(r) for r in results)
@@ -349,12 +351,11 @@ async def test_the_last_waiter_leaving_stops_the_download_and_keeps_the_part(ori
     origin.gate = asyncio.Event()
     src = origin.base + "/f.gguf"
     task = asyncio.create_task(cache.fetch(src))
-    while not origin.requests:
-        await asyncio.sleep(0.01)
+    await async_until(lambda: origin.requests, what="the origin to be asked")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)
+    await async_until(lambda: not cache.is_fetching(src), what="the download to stop")
     assert not cache.is_fetching(src)
     origin.gate.set()
     assert (await cache.fetch(src)).read_bytes() == BLOB
@@ -364,8 +365,12 @@ async def test_the_last_waiter_leaving_stops_the_download_and_keeps_the_part(ori
 
 
 def manifest(files: dict[str, bytes]) -> dict:
-    return {"model": "m", "version": "v", "files": [{"name": n, "bytes": len(b)} for n, b in files.items()],
-            "bytes": sum(len(b) for b in files.values())}
+    return {
+        "model": "m",
+        "version": "v",
+        "files": [{"name": n, "bytes": len(b)} for n, b in files.items()],
+        "bytes": sum(len(b) for b in files.values()),
+    }
 
 
 SET = {
@@ -447,8 +452,9 @@ async def test_a_set_file_is_resumed_after_an_interruption(origin, cache):
     assert ("/m/v/model-00002-of-00002.gguf", "bytes=100000-") in origin.requests
 
 
-@pytest.mark.parametrize("name", ["../evil.gguf", "sub/x.gguf", "..\\x.gguf", "/etc/passwd", "..", ".", "",
-                                  COMPLETE_MARKER, "x.gguf.part"])
+@pytest.mark.parametrize(
+    "name", ["../evil.gguf", "sub/x.gguf", "..\\x.gguf", "/etc/passwd", "..", ".", "", COMPLETE_MARKER, "x.gguf.part"]
+)
 async def test_a_filename_that_escapes_the_directory_is_refused(origin, cache, name):
     origin.manifests["/m/v/"] = {"files": [{"name": "ok.gguf", "bytes": 4}, {"name": name, "bytes": 4}]}
     origin.files["/m/v/ok.gguf"] = b"GGUF"
@@ -570,8 +576,7 @@ async def test_remove_refuses_while_a_fetch_is_running(origin, cache):
     origin.gate = asyncio.Event()
     src = origin.base + "/f.gguf"
     task = asyncio.create_task(cache.fetch(src))
-    while not origin.requests:
-        await asyncio.sleep(0.01)
+    await async_until(lambda: origin.requests, what="the origin to be asked")
     with pytest.raises(WeightsError, match="being fetched"):
         cache.remove(src)
     origin.gate.set()

@@ -22,7 +22,8 @@ from typing import Any
 from llmgw.protocol import GPU, GPUUsage, NodeInventory, NodeSample
 
 from . import fabric as fabric_mod
-from .commands import Runner, Which, run_command, which as default_which
+from .commands import Runner, Which, run_command
+from .commands import which as default_which
 from .disk import collect_storage
 from .gpu_nvml import NVMLReader, NVMLUnavailable, load_pynvml
 from .gpu_smi import SMIError, query_gpus, query_usage
@@ -137,25 +138,29 @@ class Discovery:
         if inv.memory is None:
             warnings.append(f"could not read memory from {opts.proc_root / 'meminfo'}")
 
-        inv.host = self._step("the host", warnings, lambda: collect_host(
-            os_release=opts.os_release, proc_root=opts.proc_root, which=opts.which
-        ))
+        inv.host = self._step(
+            "the host",
+            warnings,
+            lambda: collect_host(os_release=opts.os_release, proc_root=opts.proc_root, which=opts.which),
+        )
         if opts.model_dirs:
-            inv.storage = self._step("disk space", warnings, lambda: collect_storage(
-                opts.model_dirs, mounts_file=opts.mounts_file, warnings=warnings
-            ))
+            inv.storage = self._step(
+                "disk space",
+                warnings,
+                lambda: collect_storage(opts.model_dirs, mounts_file=opts.mounts_file, warnings=warnings),
+            )
         if not opts.skip_gpus:
             inv.gpus = self._step("GPUs", warnings, lambda: self._discover_gpus(warnings))
             inv.gpu_source = self._gpu_source if inv.gpus else None
             if inv.host is not None and inv.host.nvidia_driver is None and self._nvml is not None:
                 inv.host.nvidia_driver = self._nvml.driver_version()
             if inv.gpus:
-                inv.imex = self._step("IMEX", warnings, lambda: fabric_mod.collect_imex(
-                    opts.run, opts.which, opts.dev_root
-                ))
-        inv.adapters = self._step("RDMA adapters", warnings, lambda: read_adapters(
-            opts.ib_root, network_of=ip_network_lookup(opts.run)
-        ))
+                inv.imex = self._step(
+                    "IMEX", warnings, lambda: fabric_mod.collect_imex(opts.run, opts.which, opts.dev_root)
+                )
+        inv.adapters = self._step(
+            "RDMA adapters", warnings, lambda: read_adapters(opts.ib_root, network_of=ip_network_lookup(opts.run))
+        )
         inv.warnings = warnings or None
         for w in warnings:
             log.warning("discovery: %s", w)
@@ -166,7 +171,7 @@ class Discovery:
         # A bug or an unexpected format in one part costs that part only.
         try:
             return fn()
-        except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        except Exception as exc:
             warnings.append(f"could not read {what}: {exc}")
             log.debug("discovery of %s failed", what, exc_info=True)
             return None
@@ -217,9 +222,7 @@ class Discovery:
                 return None
         if not gpus:
             return gpus
-        self._bus_by_index = {
-            g.index: fabric_mod.normalize_bus_id(g.pci_bus_id) for g in gpus if g.pci_bus_id
-        }
+        self._bus_by_index = {g.index: fabric_mod.normalize_bus_id(g.pci_bus_id) for g in gpus if g.pci_bus_id}
 
         if self._smi is not None:
             # NVLink peers and adapter distances for either source: NVML knows
@@ -297,9 +300,7 @@ class Discovery:
                 gpus = self._nvml.gpus()
             else:
                 gpus = query_gpus(self._smi, self.options.run)  # type: ignore[arg-type]
-            self._bus_by_index = {
-                g.index: fabric_mod.normalize_bus_id(g.pci_bus_id) for g in gpus if g.pci_bus_id
-            }
+            self._bus_by_index = {g.index: fabric_mod.normalize_bus_id(g.pci_bus_id) for g in gpus if g.pci_bus_id}
         for u in usage:
             bus = self._bus_by_index.get(u.index)
             if bus and bus in fab:
@@ -311,7 +312,7 @@ class Discovery:
         # once at debug level per call and the field stays unknown.
         try:
             return fn()
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.debug("heartbeat sample part failed", exc_info=True)
             return None
 

@@ -80,9 +80,7 @@ class Mount:
 
 def _unescape(field: str) -> str:
     # /proc/mounts writes space, tab, newline and backslash as octal escapes.
-    return (
-        field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-    )
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
 def parse_mounts(text: str) -> list[Mount]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from llmgw.errors import LlmgwError
 from llmgw.protocol import GPU, GPUUsage, NVLinkPeer
 
 from .fabric import normalize_bus_id
 
 
-class NVMLUnavailable(RuntimeError):
+class NVMLUnavailable(LlmgwError, RuntimeError):
     """NVML cannot be used here; the message says why."""
 
     def __init__(self, message: str, *, no_driver: bool = False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from llmgw.errors import LlmgwError
 from llmgw.protocol import GPU, GPUUsage
 
 from .commands import Runner
@@ -42,7 +43,7 @@ _UNKNOWN = re.compile(
 _INVALID_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query', re.I)
 
 
-class SMIError(RuntimeError):
+class SMIError(LlmgwError, RuntimeError):
     """nvidia-smi ran and gave no usable answer; the message says why."""
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from llmgw.protocol import Host
 
-from .commands import Which, which as default_which
+from .commands import Which
+from .commands import which as default_which
 
 # Vector extensions that decide how fast CPU inference runs (x86 "flags",
 # ARM "Features"); the rest of the list is noise for this purpose.

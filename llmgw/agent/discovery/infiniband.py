@@ -66,7 +66,7 @@ def _read(path: Path) -> str | None:
 
 
 def strip_code(value: str | None) -> str | None:
-    """"4: ACTIVE" -> "ACTIVE", "5: LinkUp" -> "LinkUp"."""
+    """ "4: ACTIVE" -> "ACTIVE", "5: LinkUp" -> "LinkUp"."""
     if not value:
         return None
     head, sep, rest = value.partition(":")
@@ -74,7 +74,7 @@ def strip_code(value: str | None) -> str | None:
 
 
 def parse_rate(value: str | None) -> tuple[float | None, str | None]:
-    """"400 Gb/sec (4X NDR)" -> (400.0, "4X NDR")."""
+    """ "400 Gb/sec (4X NDR)" -> (400.0, "4X NDR")."""
     if not value:
         return None, None
     m = _RATE.match(value)

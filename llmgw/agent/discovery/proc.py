@@ -203,7 +203,5 @@ class LoadSampler:
             if st is None or st.state == "Z":
                 continue
             g = out.get(st.pgrp)
-            out[st.pgrp] = _GroupUse(
-                (g.jiffies if g else 0) + st.jiffies, (g.rss_pages if g else 0) + st.rss_pages
-            )
+            out[st.pgrp] = _GroupUse((g.jiffies if g else 0) + st.jiffies, (g.rss_pages if g else 0) + st.rss_pages)
         return out

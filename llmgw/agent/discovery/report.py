@@ -67,7 +67,7 @@ def _host(inv: NodeInventory, out: list[str]) -> None:
     if h.cpu_flags is not None:
         cpu.append("flags: " + (" ".join(h.cpu_flags) if h.cpu_flags else "none of interest"))
         if "avx2" not in h.cpu_flags and h.arch == "amd64":
-            cpu.append("no AVX2: CPU inference will be several times slower (a VM needs CPU type \"host\")")
+            cpu.append('no AVX2: CPU inference will be several times slower (a VM needs CPU type "host")')
     out.append(_row("CPU", ", ".join(cpu)))
     out.append(_row("Driver", f"NVIDIA {h.nvidia_driver}" if h.nvidia_driver else "no NVIDIA driver loaded"))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from llmgw.errors import LlmgwError
 from llmgw.protocol import GPU, NIC_PATH_ORDER, NVLinkPeer
 
 TOPO_TIMEOUT_S = 15.0
@@ -27,7 +28,7 @@ _AFFINITY_COLUMNS = {"CPU Affinity", "NUMA Affinity", "GPU NUMA ID"}
 _ALIASES = {"SOC": "SYS"}
 
 
-class TopologyError(ValueError):
+class TopologyError(LlmgwError, ValueError):
     """The text is not a topology matrix (often nvidia-smi's own error message)."""
 
 

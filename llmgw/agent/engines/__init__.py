@@ -9,7 +9,12 @@ engine's --help.
 
 from llmgw.agent.engines.base import EngineAdapter, probe_host
 from llmgw.agent.engines.check import (
-    EngineCheck, EngineCheckReport, engine_check, flag_present, run_engine_check, truncation_signs,
+    EngineCheck,
+    EngineCheckReport,
+    engine_check,
+    flag_present,
+    run_engine_check,
+    truncation_signs,
 )
 from llmgw.agent.engines.common import nccl_env, quantization_of
 from llmgw.agent.engines.health import Readiness, listed_models, lists_model, probe
@@ -17,13 +22,48 @@ from llmgw.agent.engines.llamacpp import resolve_gguf
 from llmgw.agent.engines.plan import Command, HealthCheck, LaunchPlan, LaunchRefused, MetricNames
 from llmgw.agent.engines.registry import ADAPTERS, UnknownEngine, adapter_for, metric_names, plan_shard
 from llmgw.agent.engines.spec import (
-    ENGINE_NAMES, GPU, Adapter, EngineSettings, Group, NodeFacts, Profile, ShardLaunch,
+    ENGINE_NAMES,
+    GPU,
+    Adapter,
+    EngineSettings,
+    Group,
+    NodeFacts,
+    Profile,
+    ShardLaunch,
 )
 
 __all__ = [
-    "ADAPTERS", "ENGINE_NAMES", "GPU", "Adapter", "Command", "EngineAdapter", "EngineCheck", "EngineCheckReport",
-    "EngineSettings", "Group", "HealthCheck", "LaunchPlan", "LaunchRefused", "MetricNames", "NodeFacts", "Profile",
-    "Readiness", "ShardLaunch", "UnknownEngine", "adapter_for", "engine_check", "flag_present", "listed_models",
-    "lists_model", "metric_names", "nccl_env", "plan_shard", "probe", "probe_host", "quantization_of",
-    "resolve_gguf", "run_engine_check", "truncation_signs",
+    "ADAPTERS",
+    "ENGINE_NAMES",
+    "GPU",
+    "Adapter",
+    "Command",
+    "EngineAdapter",
+    "EngineCheck",
+    "EngineCheckReport",
+    "EngineSettings",
+    "Group",
+    "HealthCheck",
+    "LaunchPlan",
+    "LaunchRefused",
+    "MetricNames",
+    "NodeFacts",
+    "Profile",
+    "Readiness",
+    "ShardLaunch",
+    "UnknownEngine",
+    "adapter_for",
+    "engine_check",
+    "flag_present",
+    "listed_models",
+    "lists_model",
+    "metric_names",
+    "nccl_env",
+    "plan_shard",
+    "probe",
+    "probe_host",
+    "quantization_of",
+    "resolve_gguf",
+    "run_engine_check",
+    "truncation_signs",
 ]

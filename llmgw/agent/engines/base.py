@@ -47,10 +47,27 @@ class EngineAdapter(ABC):
             raise LaunchRefused(launch.shard_id, problems)
         commands = self.commands(launch, settings)
         serves = self.serves_http(launch)
-        health = HealthCheck(probe_host(launch.host), launch.port, launch.served_name,
-                             self.health_path, self.models_path, launch.api_key) if serves else None
-        return LaunchPlan(engine=self.name, shard_id=launch.shard_id, commands=tuple(commands),
-                          serves_http=serves, health=health, metrics=self.metrics, warnings=tuple(warnings))
+        health = (
+            HealthCheck(
+                probe_host(launch.host),
+                launch.port,
+                launch.served_name,
+                self.health_path,
+                self.models_path,
+                launch.api_key,
+            )
+            if serves
+            else None
+        )
+        return LaunchPlan(
+            engine=self.name,
+            shard_id=launch.shard_id,
+            commands=tuple(commands),
+            serves_http=serves,
+            health=health,
+            metrics=self.metrics,
+            warnings=tuple(warnings),
+        )
 
     def serves_http(self, launch: ShardLaunch) -> bool:
         # Both multi-node engines put the API server on rank 0 only.
@@ -72,11 +89,17 @@ class EngineAdapter(ABC):
         """A profile must not set the engine's key: the gateway sends the replica's own and
         would be refused, or, without one, the engine would answer anyone."""
         p = launch.profile
-        out = [f"the profile's extra args set {f}, which llmgw sets itself (the replica's own key, which only the "
-               "gateway sends); remove it from the profile" for f in self.api_key_flags if has_flag(p.extra_args, [f])]
+        out = [
+            f"the profile's extra args set {f}, which llmgw sets itself (the replica's own key, which only the "
+            "gateway sends); remove it from the profile"
+            for f in self.api_key_flags
+            if has_flag(p.extra_args, [f])
+        ]
         if self.api_key_env and self.api_key_env in p.env:
-            out.append(f"the profile's env sets {self.api_key_env}, the engine's key, which llmgw sets itself (the "
-                       "replica's own key, which only the gateway sends); remove it from the profile")
+            out.append(
+                f"the profile's env sets {self.api_key_env}, the engine's key, which llmgw sets itself (the "
+                "replica's own key, which only the gateway sends); remove it from the profile"
+            )
         return out
 
     def checked_env(self) -> list[str]:
@@ -110,12 +133,22 @@ class EngineAdapter(ABC):
         gpus = [GPU(index=i, name="NVIDIA H100 80GB HBM3", compute_capability="9.0") for i in range(2)]
         out = []
         for rank in (0, 1):
-            out.append(ShardLaunch(
-                shard_id="engine-check", engine=self.name, model="/models/m", served_name="m", port=8000,
-                profile=Profile(tp=4, nodes=2, gpu_ids=[0, 1], ctx_size=8192, parallel=8,
-                                dtype="bfloat16", quantization="fp8"),
-                group=Group(rank=rank, leader_addr="10.0.0.1", leader_port=29500),
-                node=NodeFacts(gpus=gpus, interface="eth0"), fabric="ib", api_key="engine-check"))
+            out.append(
+                ShardLaunch(
+                    shard_id="engine-check",
+                    engine=self.name,
+                    model="/models/m",
+                    served_name="m",
+                    port=8000,
+                    profile=Profile(
+                        tp=4, nodes=2, gpu_ids=[0, 1], ctx_size=8192, parallel=8, dtype="bfloat16", quantization="fp8"
+                    ),
+                    group=Group(rank=rank, leader_addr="10.0.0.1", leader_port=29500),
+                    node=NodeFacts(gpus=gpus, interface="eth0"),
+                    fabric="ib",
+                    api_key="engine-check",
+                )
+            )
         return out
 
     def check_flags(self) -> list[str]:

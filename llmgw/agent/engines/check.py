@@ -90,28 +90,38 @@ def engine_check(engine: str, help_text: str, *, extra_signs: list[str] | None =
         return result
     result.missing = [f for f in flags if not flag_present(f, text)]
     for f in result.missing:
-        result.problems.append(f"{f} is not in {adapter.label}'s --help: llmgw passes it, so this build would refuse "
-                               "to start a shard (renamed or removed in this version?)")
+        result.problems.append(
+            f"{f} is not in {adapter.label}'s --help: llmgw passes it, so this build would refuse "
+            "to start a shard (renamed or removed in this version?)"
+        )
     # A variable the engine no longer reads fails silently: it would start, and serve without a key.
     for name in adapter.checked_env():
         if not flag_present(name, text):
             result.missing.append(name)
-            result.problems.append(f"{name} is not in {adapter.label}'s --help: llmgw gives the engine the replica's "
-                                   "key through it, so this build would serve anyone without one (renamed or "
-                                   "removed in this version?)")
+            result.problems.append(
+                f"{name} is not in {adapter.label}'s --help: llmgw gives the engine the replica's "
+                "key through it, so this build would serve anyone without one (renamed or "
+                "removed in this version?)"
+            )
     signs = (extra_signs or []) + truncation_signs(adapter, text)
     if signs:
-        consequence = ("so the flags reported missing may be there" if result.missing
-                       else "so this check may have missed something")
-        result.warnings.append(f"the help looks cut short ({'; '.join(signs)}), {consequence}; "
-                               "run the help command yourself and read it whole")
+        consequence = (
+            "so the flags reported missing may be there"
+            if result.missing
+            else "so this check may have missed something"
+        )
+        result.warnings.append(
+            f"the help looks cut short ({'; '.join(signs)}), {consequence}; "
+            "run the help command yourself and read it whole"
+        )
     return result
 
 
 def _run(argv: list[str], timeout: float) -> tuple[int | None, str, str, bool]:
     """Run a help command in its own session, so a timeout kills whatever it started too."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
@@ -122,7 +132,12 @@ def _run(argv: list[str], timeout: float) -> tuple[int | None, str, str, bool]:
             pass
         out, err = proc.communicate()
         timed_out = True
-    return (None if timed_out else proc.returncode), out.decode(errors="replace"), err.decode(errors="replace"), timed_out
+    return (
+        (None if timed_out else proc.returncode),
+        out.decode(errors="replace"),
+        err.decode(errors="replace"),
+        timed_out,
+    )
 
 
 def _resolve_bin(bin_path: str) -> str | None:

@@ -6,7 +6,6 @@ questions are asked, in that order.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,12 +60,14 @@ async def probe(check: HealthCheck, session: aiohttp.ClientSession, timeout: flo
             payload = await resp.json(content_type=None)
     except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError):
         return Readiness("starting", f"nothing answers on {where} yet")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return Readiness("loading", f"{where} did not answer in time ({type(exc).__name__})")
     except ValueError:
         return Readiness("loading", f"{check.models_path} did not answer JSON")
     names = listed_models(payload)
     if check.model not in names:
-        return Readiness("loading", f"{check.models_path} does not list {check.model} yet "
-                                    f"(it lists: {', '.join(names) or 'nothing'})")
+        return Readiness(
+            "loading",
+            f"{check.models_path} does not list {check.model} yet (it lists: {', '.join(names) or 'nothing'})",
+        )
     return Readiness("ready", f"{check.model} is listed")

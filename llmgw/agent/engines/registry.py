@@ -8,15 +8,15 @@ from llmgw.agent.engines.plan import LaunchPlan, LaunchRefused, MetricNames
 from llmgw.agent.engines.sglang import SGLang
 from llmgw.agent.engines.spec import EngineSettings, ShardLaunch
 from llmgw.agent.engines.vllm import VLLM
+from llmgw.errors import LlmgwError
 
 ADAPTERS: dict[str, EngineAdapter] = {a.name: a for a in (LlamaCpp(), VLLM(), SGLang())}
 
 
-class UnknownEngine(ValueError):
+class UnknownEngine(LlmgwError, ValueError):
     def __init__(self, engine: str):
         self.engine = engine
-        super().__init__(f'unknown engine "{engine}": llmgw runs {", ".join(ADAPTERS)}; '
-                         "fix the profile's engine")
+        super().__init__(f'unknown engine "{engine}": llmgw runs {", ".join(ADAPTERS)}; fix the profile\'s engine')
 
 
 def adapter_for(engine: str) -> EngineAdapter:

@@ -54,7 +54,9 @@ class Adapter(_Model):
     port: int | None = Field(default=None, ge=1, description="Port number; None lets NCCL use any port of the adapter.")
     link_layer: Literal["InfiniBand", "Ethernet"] = Field(default="InfiniBand", description="Ethernet means RoCE.")
     gid_index: int | None = Field(
-        default=None, description="RoCE only: the RoCE v2 GID index holding an IPv4 address; None or -1 when there is none.")
+        default=None,
+        description="RoCE only: the RoCE v2 GID index holding an IPv4 address; None or -1 when there is none.",
+    )
 
     @property
     def roce(self) -> bool:
@@ -66,9 +68,11 @@ class NodeFacts(_Model):
 
     gpus: list[GPU] = Field(default_factory=list, description="Every GPU on this node.")
     nvlink_domain: str | None = Field(
-        default=None, description='Multi-node NVLink domain "<cluster uuid>/<clique id>", None outside one.')
+        default=None, description='Multi-node NVLink domain "<cluster uuid>/<clique id>", None outside one.'
+    )
     fabric_adapters: list[Adapter] = Field(
-        default_factory=list, description="The chosen fabric's adapters on this node, and no others.")
+        default_factory=list, description="The chosen fabric's adapters on this node, and no others."
+    )
     interface: str | None = Field(default=None, description="This node's own management interface, e.g. ens3.")
     address: str | None = Field(default=None, description="This node's management address.")
 
@@ -80,7 +84,9 @@ class Group(_Model):
     leader_addr: str | None = Field(default=None, description="The leader's management address (rendezvous).")
     leader_port: int | None = Field(default=None, ge=1, le=65535, description="The leader's rendezvous port.")
     gpu_names: list[str] = Field(
-        default_factory=list, description="GPU names of the other shards of the replica, when the control plane sends them.")
+        default_factory=list,
+        description="GPU names of the other shards of the replica, when the control plane sends them.",
+    )
 
 
 class Profile(_Model):
@@ -93,7 +99,9 @@ class Profile(_Model):
     parallel: int | None = Field(default=None, ge=1, description="Requests served at once.")
     dtype: str | None = Field(default=None, description="vLLM/SGLang --dtype, e.g. bfloat16.")
     quantization: str | None = Field(default=None, description="vLLM/SGLang --quantization, e.g. fp8, awq.")
-    extra_args: list[str] = Field(default_factory=list, description="Passed to the engine as they are, after llmgw's own.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Passed to the engine as they are, after llmgw's own."
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Set last, overriding anything llmgw sets.")
 
     @field_validator("gpu_ids")
@@ -113,7 +121,9 @@ class Profile(_Model):
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         for k in v:
             if not _ENV_NAME.match(k):
-                raise ValueError(f'"{k}" is not an environment variable name (letters, digits and _, not starting with a digit)')
+                raise ValueError(
+                    f'"{k}" is not an environment variable name (letters, digits and _, not starting with a digit)'
+                )
         return v
 
 
@@ -130,10 +140,14 @@ class ShardLaunch(_Model):
     group: Group = Field(default_factory=Group)
     node: NodeFacts = Field(default_factory=NodeFacts)
     fabric: str | None = Field(
-        default=None, description='The replica\'s fabric as placed: a fabric name, or "nvl:<domain>" inside an NVLink domain.')
+        default=None,
+        description='The replica\'s fabric as placed: a fabric name, or "nvl:<domain>" inside an NVLink domain.',
+    )
     api_key: str | None = Field(
-        default=None, repr=False,
-        description="The replica's secret, which the engine requires on every request; None: the engine asks for none.")
+        default=None,
+        repr=False,
+        description="The replica's secret, which the engine requires on every request; None: the engine asks for none.",
+    )
 
     @property
     def multi_node(self) -> bool:
@@ -164,7 +178,9 @@ class EngineSettings(_Model):
     sglang_python: str = "python3"
 
     @classmethod
-    def from_config(cls, engines: EnginesConfig | None = None, installed: dict[str, str] | None = None) -> "EngineSettings":
+    def from_config(
+        cls, engines: EnginesConfig | None = None, installed: dict[str, str] | None = None
+    ) -> EngineSettings:
         """agent.yaml's binaries first (they are used "instead of installing one"), then
         installed builds (they were seen to run), then PATH."""
         engines = engines or EnginesConfig()

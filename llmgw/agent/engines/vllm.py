@@ -6,19 +6,28 @@ import re
 
 from llmgw.agent.engines.base import EngineAdapter
 from llmgw.agent.engines.common import (
-    field_args, finish_env, gpu_env, hostport, nccl_env, python_engine_problems,
+    field_args,
+    finish_env,
+    gpu_env,
+    hostport,
+    nccl_env,
+    python_engine_problems,
 )
 from llmgw.agent.engines.plan import Command, MetricNames
 from llmgw.agent.engines.spec import EngineSettings, ShardLaunch
 
 _OWNED = {
     "--model": "the model source",
-    "--host": "the shard's address", "--port": "the shard's port",
+    "--host": "the shard's address",
+    "--port": "the shard's port",
     "--served-model-name": "the served name",
-    "--tensor-parallel-size": "the profile's tp", "-tp": "the profile's tp",
+    "--tensor-parallel-size": "the profile's tp",
+    "-tp": "the profile's tp",
     "--distributed-executor-backend": "the launch mode",
-    "--nnodes": "the profile's nodes", "--node-rank": "the shard's rank",
-    "--master-addr": "the leader's address", "--master-port": "the leader's port",
+    "--nnodes": "the profile's nodes",
+    "--node-rank": "the shard's rank",
+    "--master-addr": "the leader's address",
+    "--master-port": "the leader's port",
     "--headless": "the shard's rank",
 }
 _DTYPE = ("--dtype",)
@@ -29,22 +38,32 @@ _PARALLEL = ("--max-num-seqs",)
 
 def _fields(launch: ShardLaunch) -> list[tuple[tuple[str, ...], object, str]]:
     p = launch.profile
-    return [(_DTYPE, p.dtype, "dtype"), (_QUANT, p.quantization, "quantization"),
-            (_CTX, p.ctx_size, "ctx_size"), (_PARALLEL, p.parallel, "parallel")]
+    return [
+        (_DTYPE, p.dtype, "dtype"),
+        (_QUANT, p.quantization, "quantization"),
+        (_CTX, p.ctx_size, "ctx_size"),
+        (_PARALLEL, p.parallel, "parallel"),
+    ]
 
 
 # vLLM reports usage to its makers unless told not to; nothing leaves the cluster.
-_QUIET = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-          # Engine output is the only diagnosis when loading fails; see it as it happens.
-          "PYTHONUNBUFFERED": "1"}
+_QUIET = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    # Engine output is the only diagnosis when loading fails; see it as it happens.
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 class VLLM(EngineAdapter):
     name = "vllm"
     label = "vLLM"
-    metrics = MetricNames(running=("vllm:num_requests_running",),
-                          waiting=("vllm:num_requests_waiting",),
-                          kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+    metrics = MetricNames(
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    )
     # `serve --help` of recent releases is an 80-line list of groups;
     # `--help=all` runs to well over a thousand.
     min_help_lines = 150
@@ -57,11 +76,19 @@ class VLLM(EngineAdapter):
     def commands(self, launch: ShardLaunch, settings: EngineSettings) -> list[Command]:
         p, g = launch.profile, launch.group
         base_env = {**finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch)), **self.key_env(launch)}
-        args = [settings.vllm_bin, "serve", launch.model,
-                "--host", launch.host,
-                "--port", str(launch.port),
-                "--served-model-name", launch.served_name,
-                "--tensor-parallel-size", str(p.tp)]
+        args = [
+            settings.vllm_bin,
+            "serve",
+            launch.model,
+            "--host",
+            launch.host,
+            "--port",
+            str(launch.port),
+            "--served-model-name",
+            launch.served_name,
+            "--tensor-parallel-size",
+            str(p.tp),
+        ]
         args += field_args(p.extra_args, _fields(launch))
 
         if not launch.multi_node:
@@ -74,11 +101,18 @@ class VLLM(EngineAdapter):
             # no API server). VLLM_HOST_IP is this node's own address for vLLM
             # to find itself, so it is left to vLLM: giving workers the
             # leader's made every worker announce itself as the leader.
-            args += ["--distributed-executor-backend", "mp",
-                     "--nnodes", str(p.nodes),
-                     "--node-rank", str(g.rank),
-                     "--master-addr", g.leader_addr,
-                     "--master-port", str(g.leader_port)]
+            args += [
+                "--distributed-executor-backend",
+                "mp",
+                "--nnodes",
+                str(p.nodes),
+                "--node-rank",
+                str(g.rank),
+                "--master-addr",
+                g.leader_addr,
+                "--master-port",
+                str(g.leader_port),
+            ]
             if not launch.leader:
                 args.append("--headless")
             return [Command(argv=tuple(args + p.extra_args), env=base_env)]
@@ -92,16 +126,38 @@ class VLLM(EngineAdapter):
         leader_port = (g.leader_addr, g.leader_port)
         if launch.leader:
             sidecar = Command(
-                argv=(ray, "start", "--head", "--node-ip-address", g.leader_addr, "--port", str(g.leader_port),
-                      "--num-gpus", str(len(p.gpu_ids)), "--block", "--disable-usage-stats"),
-                env=finish_env(launch, _QUIET, ray_env, gpu_env(launch), nccl_env(launch),
-                               {"VLLM_HOST_IP": g.leader_addr}),
-                sidecar=True)
+                argv=(
+                    ray,
+                    "start",
+                    "--head",
+                    "--node-ip-address",
+                    g.leader_addr,
+                    "--port",
+                    str(g.leader_port),
+                    "--num-gpus",
+                    str(len(p.gpu_ids)),
+                    "--block",
+                    "--disable-usage-stats",
+                ),
+                env=finish_env(
+                    launch, _QUIET, ray_env, gpu_env(launch), nccl_env(launch), {"VLLM_HOST_IP": g.leader_addr}
+                ),
+                sidecar=True,
+            )
             serve = Command(
                 argv=tuple(args + ["--distributed-executor-backend", "ray"] + p.extra_args),
-                env={**finish_env(launch, _QUIET, gpu_env(launch), nccl_env(launch),
-                                  {"VLLM_HOST_IP": g.leader_addr, "RAY_ADDRESS": head}), **self.key_env(launch)},
-                wait_for=leader_port)
+                env={
+                    **finish_env(
+                        launch,
+                        _QUIET,
+                        gpu_env(launch),
+                        nccl_env(launch),
+                        {"VLLM_HOST_IP": g.leader_addr, "RAY_ADDRESS": head},
+                    ),
+                    **self.key_env(launch),
+                },
+                wait_for=leader_port,
+            )
             return [sidecar, serve]
         join = [ray, "start", "--address", head, "--num-gpus", str(len(p.gpu_ids)), "--block", "--disable-usage-stats"]
         own = {}
@@ -109,9 +165,13 @@ class VLLM(EngineAdapter):
             # Each node's own address: the leader's here would make two nodes claim one IP.
             join += ["--node-ip-address", launch.node.address]
             own = {"VLLM_HOST_IP": launch.node.address}
-        return [Command(argv=tuple(join),
-                        env=finish_env(launch, _QUIET, ray_env, gpu_env(launch), nccl_env(launch), own),
-                        wait_for=leader_port)]
+        return [
+            Command(
+                argv=tuple(join),
+                env=finish_env(launch, _QUIET, ray_env, gpu_env(launch), nccl_env(launch), own),
+                wait_for=leader_port,
+            )
+        ]
 
     def help_commands(self, bin_path: str) -> list[list[str]]:
         # Recent vLLM prints only its option groups for a bare --help; older
@@ -123,6 +183,7 @@ class VLLM(EngineAdapter):
 
     def help_problems(self, text: str) -> list[str]:
         if "--help=all" in text and not re.search(r"(?<![\w-])--tensor-parallel-size(?![\w-])", text):
-            return ["it is vLLM's short help, which lists option groups and not their flags; "
-                    "run `vllm serve --help=all`"]
+            return [
+                "it is vLLM's short help, which lists option groups and not their flags; run `vllm serve --help=all`"
+            ]
         return []

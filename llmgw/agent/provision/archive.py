@@ -18,9 +18,12 @@ import stat
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, BinaryIO
+from typing import BinaryIO
+
+from llmgw.paths import PathRefused, inside, relative_path
 
 from .status import ProvisionError
 
@@ -56,8 +59,9 @@ def detect_format(path: Path) -> str:
     raise ArchiveError(f"{path.name} is neither a zip nor a tar archive")
 
 
-def unpack(archive: Path, dest: Path, *, max_unpacked: int = DEFAULT_MAX_UNPACKED,
-           label: str | None = None) -> list[str]:
+def unpack(
+    archive: Path, dest: Path, *, max_unpacked: int = DEFAULT_MAX_UNPACKED, label: str | None = None
+) -> list[str]:
     """Unpack ``archive`` into the directory ``dest``; returns the entry names.
 
     Raises :class:`ArchiveError` naming the first entry refused and why.
@@ -101,16 +105,10 @@ def _refuse(label: str, name: str, why: str) -> ArchiveError:
 
 def clean_name(label: str, raw: str) -> str:
     """The entry's path relative to the archive root, or a refusal."""
-    if "\x00" in raw:
-        raise _refuse(label, raw, "has a NUL byte in its name")
-    if "\\" in raw:
-        raise _refuse(label, raw, "has a backslash in its path (a Windows path in a Linux release)")
-    if raw.startswith("/"):
-        raise _refuse(label, raw, "is an absolute path")
-    parts = [p for p in raw.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise _refuse(label, raw, "climbs out of the install directory with '..'")
-    return "/".join(parts)
+    try:
+        return relative_path(raw, within="the install directory")
+    except PathRefused as e:
+        raise _refuse(label, raw, str(e)) from None
 
 
 def _tar_entries(tf: tarfile.TarFile, label: str) -> Iterator[_Entry]:
@@ -119,8 +117,7 @@ def _tar_entries(tf: tarfile.TarFile, label: str) -> Iterator[_Entry]:
         if not name:
             continue  # "./": the root itself
         if m.isreg():
-            yield _Entry(name, "file", m.mode, m.size,
-                         open=lambda m=m: tf.extractfile(m))  # type: ignore[misc,return-value]
+            yield _Entry(name, "file", m.mode, m.size, open=lambda m=m: tf.extractfile(m))  # type: ignore[misc,return-value]
         elif m.isdir():
             yield _Entry(name, "dir", m.mode)
         elif m.issym():
@@ -129,8 +126,9 @@ def _tar_entries(tf: tarfile.TarFile, label: str) -> Iterator[_Entry]:
             try:
                 source = clean_name(label, m.linkname)
             except ArchiveError:
-                raise _refuse(label, m.name, f"is a hard link to {m.linkname!r}, outside the "
-                              "install directory") from None
+                raise _refuse(
+                    label, m.name, f"is a hard link to {m.linkname!r}, outside the install directory"
+                ) from None
             yield _Entry(name, "hardlink", m.mode, link=source)
         elif m.ischr() or m.isblk():
             raise _refuse(label, m.name, "is a device file")
@@ -163,8 +161,7 @@ def _zip_entries(zf: zipfile.ZipFile, label: str) -> Iterator[_Entry]:
             raise _refuse(label, info.filename, "is a socket")
         else:
             # fmt 0: made on a system that records no Unix mode; a plain file.
-            yield _Entry(name, "file", (mode & 0o7777) or 0o644, info.file_size,
-                         open=lambda info=info: zf.open(info))  # type: ignore[misc]
+            yield _Entry(name, "file", (mode & 0o7777) or 0o644, info.file_size, open=lambda info=info: zf.open(info))  # type: ignore[misc]
 
 
 # ------------------------------------------------------------------ checking
@@ -187,8 +184,7 @@ def _check_all(entries: list[_Entry], label: str, max_unpacked: int) -> None:
         previous = kinds.get(e.name)
         if previous is not None and not (previous == "dir" and e.kind == "dir"):
             if "dir" in (previous, e.kind):
-                raise _refuse(label, e.name, "is both a directory and a "
-                              f"{e.kind if previous == 'dir' else previous}")
+                raise _refuse(label, e.name, f"is both a directory and a {e.kind if previous == 'dir' else previous}")
             raise _refuse(label, e.name, "appears twice")
         kinds[e.name] = e.kind
         # Directories implied by a path count as directories.
@@ -201,12 +197,12 @@ def _check_all(entries: list[_Entry], label: str, max_unpacked: int) -> None:
             links.add(e.name)
         elif e.kind == "hardlink":
             if kinds.get(e.link) != "file":
-                raise _refuse(label, e.name,
-                              f"is a hard link to {e.link!r}, which is not a file earlier in the archive")
+                raise _refuse(
+                    label, e.name, f"is a hard link to {e.link!r}, which is not a file earlier in the archive"
+                )
         total += e.size
         if total > max_unpacked:
-            raise ArchiveError(f"{label} is refused: it unpacks to more than "
-                               f"{max_unpacked / (1 << 30):.0f} GB")
+            raise ArchiveError(f"{label} is refused: it unpacks to more than {max_unpacked / (1 << 30):.0f} GB")
 
 
 def _check_link_target(label: str, e: _Entry) -> None:
@@ -224,17 +220,12 @@ def _check_link_target(label: str, e: _Entry) -> None:
 # ------------------------------------------------------------------ writing
 
 
-def _inside(root: Path, p: Path) -> bool:
-    return p == root or root in p.parents
-
-
 def _write_all(entries: list[_Entry], dest: Path, label: str) -> None:
-    root = dest.resolve()
     for e in entries:
         target = dest / e.name
         # The parent, resolved on disk, must still be inside: a link left by
         # an earlier archive unpacked into the same tree counts too.
-        if not _inside(root, target.parent.resolve()):
+        if not inside(dest, target.parent):
             raise _refuse(label, e.name, "would be written outside the install directory")
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -260,10 +251,8 @@ def _write_all(entries: list[_Entry], dest: Path, label: str) -> None:
     # Resolved on disk, every link must end inside: catches chains such as
     # a -> "b/.." with b -> ".", which look harmless one at a time.
     for e in entries:
-        if e.kind == "symlink":
-            real = Path(os.path.realpath(dest / e.name))
-            if not _inside(root, real):
-                raise _refuse(label, e.name, f"is a link to {e.link!r}, which leads outside the install directory")
+        if e.kind == "symlink" and not inside(dest, dest / e.name):
+            raise _refuse(label, e.name, f"is a link to {e.link!r}, which leads outside the install directory")
 
 
 def _write_file(src: BinaryIO | None, target: Path, mode: int) -> None:

@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from llmgw.download import CHUNK, lacking_space, overruns, parse_length, part_path, request_headers
+from llmgw.files import replace_durably
 
 from .status import ProvisionError, Unreachable
 
@@ -34,8 +37,7 @@ def make_session() -> aiohttp.ClientSession:
     # connection that stalls is given up on. trust_env: nodes behind an
     # HTTPS proxy reach GitHub through it.
     timeout = aiohttp.ClientTimeout(total=None, connect=30, sock_connect=30, sock_read=120)
-    return aiohttp.ClientSession(timeout=timeout, trust_env=True,
-                                 headers={"User-Agent": USER_AGENT})
+    return aiohttp.ClientSession(timeout=timeout, trust_env=True, headers={"User-Agent": USER_AGENT})
 
 
 def normalise_sha256(value: str, what: str) -> str:
@@ -45,7 +47,8 @@ def normalise_sha256(value: str, what: str) -> str:
     if not _HEX64.fullmatch(v):
         raise ProvisionError(
             f"the sha256 given for {what} ({value!r}) is not 64 hexadecimal digits; "
-            "copy it from the release page or from `sha256sum FILE`")
+            "copy it from the release page or from `sha256sum FILE`"
+        )
     return v
 
 
@@ -85,7 +88,7 @@ def _host(url: str) -> str:
 async def http_get(session: aiohttp.ClientSession, url: str, **kw) -> aiohttp.ClientResponse:
     try:
         return await session.get(url, **kw)
-    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientConnectionError) as e:
         raise Unreachable(f"cannot reach {_host(url)}: {e.__class__.__name__}: {e}".rstrip(": ")) from None
     except aiohttp.InvalidURL:
         raise ProvisionError(f"{url!r} is not a URL; check the release base URL in the agent configuration") from None
@@ -96,15 +99,16 @@ def status_error(resp: aiohttp.ClientResponse, what: str) -> ProvisionError:
     if s in (403, 429) and "github" in _host(str(resp.url)):
         # Unauthenticated callers get sixty API requests an hour per address,
         # and a fleet behind one NAT shares them.
-        return ProvisionError(f"GitHub is rate-limiting this address ({s} {resp.reason}); "
-                              "it is tried again later, or point the agent at a mirror")
+        return ProvisionError(
+            f"GitHub is rate-limiting this address ({s} {resp.reason}); "
+            "it is tried again later, or point the agent at a mirror"
+        )
     if s >= 500:
         return Unreachable(f"{_host(str(resp.url))} answered {s} {resp.reason} for {what}")
     return ProvisionError(f"{_host(str(resp.url))} answered {s} {resp.reason} for {what}")
 
 
-async def github_release_digests(session: aiohttp.ClientSession, api_url: str,
-                                 what: str) -> dict[str, str]:
+async def github_release_digests(session: aiohttp.ClientSession, api_url: str, what: str) -> dict[str, str]:
     """``{asset name: sha256}`` from a GitHub release API answer at ``api_url``."""
     resp = await http_get(session, api_url, headers={"Accept": "application/vnd.github+json"})
     async with resp:
@@ -134,53 +138,76 @@ async def fetch_sidecar(session: aiohttp.ClientSession, url: str, asset: str) ->
             return None
         if resp.status != 200:
             raise status_error(resp, url.rsplit("/", 1)[-1])
-        text = (await resp.read())[:64 << 10].decode("utf-8", errors="replace")
+        text = (await resp.read())[: 64 << 10].decode("utf-8", errors="replace")
     sha = parse_sha256_file(text, asset)
     if sha is None:
         raise ProvisionError(f"{url} holds no sha256 for {asset}")
     return sha
 
 
-async def download(session: aiohttp.ClientSession, url: str, dest: Path, expected_sha256: str,
-                   on_progress: Progress | None = None, *, label: str | None = None) -> None:
+async def download(
+    session: aiohttp.ClientSession,
+    url: str,
+    dest: Path,
+    expected_sha256: str,
+    on_progress: Progress | None = None,
+    *,
+    label: str | None = None,
+) -> None:
     """Fetch ``url`` into ``dest``, refusing it unless its sha256 is ``expected_sha256``.
 
-    ``dest`` is removed again when the download fails or does not match.
+    The bytes arrive beside ``dest`` under a temporary name, removed again
+    when the download fails or does not match: ``dest`` appears only whole
+    and checked.
     """
     label = label or url.rsplit("/", 1)[-1]
-    resp = await http_get(session, url)
+    part = part_path(dest)
+    resp = await http_get(session, url, headers=request_headers(0))
     try:
         async with resp:
             if resp.status == 404:
                 raise ProvisionError(f"{label} is not at {url} (404)")
             if resp.status != 200:
                 raise status_error(resp, label)
-            total = resp.content_length
+            total = parse_length(resp.headers.get("Content-Length"))
+            free = lacking_space(dest.parent, total) if total is not None else None
+            if total is not None and free is not None:
+                raise ProvisionError(
+                    f"{label} needs {total / 1e9:.1f} GB but {dest.parent} has "
+                    f"{free / 1e9:.1f} GB free; free some space there"
+                )
             done = 0
             h = hashlib.sha256()
             if on_progress:
                 on_progress(0, total)
-            with open(dest, "wb") as f:
+            with open(part, "wb") as f:
                 try:
-                    async for chunk in resp.content.iter_chunked(1 << 20):
+                    async for chunk in resp.content.iter_chunked(CHUNK):
+                        if overruns(done, len(chunk), total):
+                            raise ProvisionError(
+                                f"the download of {label} sent more than the {total} bytes it promised"
+                            )
                         f.write(chunk)
                         h.update(chunk)
                         done += len(chunk)
                         if on_progress:
                             on_progress(done, total)
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                        asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                     # The server was reached: a retry later, not a build from source.
-                    raise ProvisionError(f"the download of {label} was cut short after "
-                                         f"{done} bytes ({e or e.__class__.__name__}); it is tried "
-                                         "again later") from None
+                    raise ProvisionError(
+                        f"the download of {label} was cut short after "
+                        f"{done} bytes ({e or e.__class__.__name__}); it is tried "
+                        "again later"
+                    ) from None
             if total is not None and done != total:
                 raise ProvisionError(f"the download of {label} ended after {done} of {total} bytes")
         got = h.hexdigest()
         if got != expected_sha256:
             raise ProvisionError(
                 f"{label} does not match the checksum its publisher gave "
-                f"(got sha256 {got[:16]}…, expected {expected_sha256[:16]}…); it was not installed")
+                f"(got sha256 {got[:16]}…, expected {expected_sha256[:16]}…); it was not installed"
+            )
+        await asyncio.to_thread(replace_durably, part, dest)
     except BaseException:
-        dest.unlink(missing_ok=True)
+        part.unlink(missing_ok=True)
         raise

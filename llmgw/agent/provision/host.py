@@ -20,8 +20,7 @@ NVIDIA_VERSION_FILE = Path("/proc/driver/nvidia/version")
 # Debian's and Red Hat's packaging families, from /etc/os-release ID and
 # ID_LIKE, so a derivative nobody listed (Pop!_OS, Oracle Linux) still works.
 _DEB_IDS = {"debian", "ubuntu"}
-_RPM_IDS = {"rhel", "fedora", "centos", "rocky", "almalinux", "suse", "opensuse",
-            "sles", "ol", "amzn"}
+_RPM_IDS = {"rhel", "fedora", "centos", "rocky", "almalinux", "suse", "opensuse", "sles", "ol", "amzn"}
 
 _ARCH_ALIASES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
@@ -60,7 +59,7 @@ class HostFacts:
         return self.cpu_flags is not None and flag in self.cpu_flags
 
     @classmethod
-    def from_inventory(cls, host, gpus=()) -> "HostFacts":
+    def from_inventory(cls, host, gpus=()) -> HostFacts:
         """From discovery's ``protocol.Host`` and ``protocol.GPU`` list (read by
         attribute, so this module does not depend on their exact classes)."""
         caps = []
@@ -130,8 +129,9 @@ def _min_compute_capability() -> float | None:
     if not smi:
         return None
     try:
-        r = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=15)
+        r = subprocess.run(
+            [smi, "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True, text=True, timeout=15
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     caps = []

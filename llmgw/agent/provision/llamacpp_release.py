@@ -21,12 +21,14 @@ import asyncio
 import logging
 import re
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from llmgw.protocol import ProvisionState
 
 from . import llamacpp_source
 from .archive import unpack
@@ -34,9 +36,20 @@ from .fetch import download, fetch_sidecar, github_release_digests, make_session
 from .host import HostFacts
 from .os_packages import PackageInstaller
 from .runner import Runner, run_command
-from .status import ProvisionError, Reporter, State, Unreachable, Unsupported
-from .verify import (Installed, Marker, find_binary, installed_at, move_into_place, now_utc,
-                     prove_runs, sha256_file, still_runs, work_dir_beside, write_marker)
+from .status import ProvisionError, Reporter, Unreachable, Unsupported
+from .verify import (
+    Installed,
+    Marker,
+    find_binary,
+    installed_at,
+    move_into_place,
+    now_utc,
+    prove_runs,
+    sha256_file,
+    still_runs,
+    work_dir_beside,
+    write_marker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +68,10 @@ ARCHIVE_SUFFIXES = (".tar.gz", ".zip")
 # OpenMP's runtime is the one library the build links that a cloud image
 # lacks, and the server does not start without it.
 PACKAGES: Mapping[str, tuple[str, ...]] = {"deb": ("libgomp1",), "rpm": ("libgomp",)}
-VULKAN_PACKAGES: Mapping[str, tuple[str, ...]] = {"deb": ("libgomp1", "libvulkan1"),
-                                                  "rpm": ("libgomp", "vulkan-loader")}
+VULKAN_PACKAGES: Mapping[str, tuple[str, ...]] = {
+    "deb": ("libgomp1", "libvulkan1"),
+    "rpm": ("libgomp", "vulkan-loader"),
+}
 SOURCE_VARIANT = "source-cpu"
 
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -101,12 +116,15 @@ def choose_build(version: str, host: HostFacts, variant: str = "auto") -> LlamaC
         if arch != "x64":
             raise Unsupported(f"llama.cpp publishes no CUDA build for Linux on {host.arch}")
         stem = f"bin-ubuntu-cuda-{CUDA_VERSION}-x64"
-        return LlamaCppBuild(version, f"cuda-{CUDA_VERSION}",
-                             (f"llama-{version}-{stem}", f"cudart-llama-{version}-{stem}"),
-                             PACKAGES, flags)
+        return LlamaCppBuild(
+            version,
+            f"cuda-{CUDA_VERSION}",
+            (f"llama-{version}-{stem}", f"cudart-llama-{version}-{stem}"),
+            PACKAGES,
+            flags,
+        )
     if variant == "vulkan":
-        return LlamaCppBuild(version, "vulkan", (f"llama-{version}-bin-ubuntu-vulkan-{arch}",),
-                             VULKAN_PACKAGES, flags)
+        return LlamaCppBuild(version, "vulkan", (f"llama-{version}-bin-ubuntu-vulkan-{arch}",), VULKAN_PACKAGES, flags)
     return LlamaCppBuild(version, "cpu", (f"llama-{version}-bin-ubuntu-{arch}",), PACKAGES, flags)
 
 
@@ -130,14 +148,13 @@ class ReleaseSource:
     def __post_init__(self) -> None:
         u = urlsplit(self.base_url)
         if u.scheme not in ("http", "https") or not u.netloc:
-            raise ProvisionError(f"release base URL {self.base_url!r} is not an http(s) URL; "
-                                 f"the default is {DEFAULT_BASE_URL}")
+            raise ProvisionError(
+                f"release base URL {self.base_url!r} is not an http(s) URL; the default is {DEFAULT_BASE_URL}"
+            )
         self.base_url = self.base_url.rstrip("/")
         if self.variant not in VARIANTS:
-            raise ProvisionError(f"llama.cpp variant {self.variant!r} is unknown; "
-                                 f"use one of {', '.join(VARIANTS)}")
-        self.expected_sha256 = {name: normalise_sha256(sha, name)
-                                for name, sha in dict(self.expected_sha256).items()}
+            raise ProvisionError(f"llama.cpp variant {self.variant!r} is unknown; use one of {', '.join(VARIANTS)}")
+        self.expected_sha256 = {name: normalise_sha256(sha, name) for name, sha in dict(self.expected_sha256).items()}
 
     def asset_url(self, tag: str, asset: str) -> str:
         return f"{self.base_url}/{tag}/{asset}"
@@ -164,8 +181,7 @@ def slow_cpu_note(host: HostFacts, flags: tuple[str, ...]) -> str:
     # Said on every report: it is the difference between five tokens a
     # second and forty, and a VM on QEMU's default CPU model otherwise looks
     # entirely healthy.
-    return (f"; this CPU lacks {', '.join(missing)}, so it will run several times slower "
-            '(a VM needs CPU type "host")')
+    return f'; this CPU lacks {", ".join(missing)}, so it will run several times slower (a VM needs CPU type "host")'
 
 
 def human_size(n: int) -> str:
@@ -219,14 +235,14 @@ class LlamaCppInstaller:
         """
         source = self.source
         if base_url:
-            source = replace(source, base_url=base_url, api_url=None if source.api_url == "auto"
-                             else source.api_url)
+            source = replace(source, base_url=base_url, api_url=None if source.api_url == "auto" else source.api_url)
         build = choose_build(version, self.host, source.variant)
         reporter.update(variant=build.variant)
         await self.packages.ensure(self.host.family, build.packages, reporter.installing)
 
-        found = await still_runs(self.install_dir(build), self.check, reporter,
-                                 logged=f"llama.cpp {version}", shown=BINARY)
+        found = await still_runs(
+            self.install_dir(build), self.check, reporter, logged=f"llama.cpp {version}", shown=BINARY
+        )
         if found is not None:
             self._ready(reporter, build, found[0].binary, found[1])
             return
@@ -238,16 +254,23 @@ class LlamaCppInstaller:
             installed = await self._from_source(reporter, e)
             line = installed.marker.version_line
             reporter.update(variant=SOURCE_VARIANT)
-            self._ready(reporter, build, installed.binary,
-                        f"{line} (built from the llama.cpp source in llama-cpp-python "
-                        f"{llamacpp_source.LLAMA_CPP_PYTHON_VERSION}: the release downloads "
-                        f"could not be reached: {e})")
+            self._ready(
+                reporter,
+                build,
+                installed.binary,
+                f"{line} (built from the llama.cpp source in llama-cpp-python "
+                f"{llamacpp_source.LLAMA_CPP_PYTHON_VERSION}: the release downloads "
+                f"could not be reached: {e})",
+            )
             return
         self._ready(reporter, build, installed.binary, installed.marker.version_line)
 
     def _ready(self, reporter: Reporter, build: LlamaCppBuild, binary: Path, line: str) -> None:
-        reporter.update(state=State.READY, binary=str(binary),
-                        detail=f"{BINARY} {line}".strip() + slow_cpu_note(self.host, build.cpu_flags))
+        reporter.update(
+            state=ProvisionState.READY,
+            binary=str(binary),
+            detail=f"{BINARY} {line}".strip() + slow_cpu_note(self.host, build.cpu_flags),
+        )
 
     async def check(self, installed: Installed) -> str:
         """Re-verify an install (the ten-minute recheck): returns its version line."""
@@ -262,8 +285,7 @@ class LlamaCppInstaller:
 
     # -------------------------------------------------------------- release
 
-    async def install(self, build: LlamaCppBuild, reporter: Reporter,
-                      source: ReleaseSource | None = None) -> Installed:
+    async def install(self, build: LlamaCppBuild, reporter: Reporter, source: ReleaseSource | None = None) -> Installed:
         """Download, check, unpack, prove and mark ``build``, then rename it into place."""
         source = source or self.source
         target = self.install_dir(build)
@@ -277,8 +299,14 @@ class LlamaCppInstaller:
                 assets = await self.resolve_assets(session, build, source)
                 for name, sha in assets.items():
                     archive = downloads / name
-                    await download(session, source.asset_url(build.version, name), archive, sha,
-                                   self._progress(reporter, name), label=name)
+                    await download(
+                        session,
+                        source.asset_url(build.version, name),
+                        archive,
+                        sha,
+                        self._progress(reporter, name),
+                        label=name,
+                    )
                     reporter.installing(f"unpacking {name}")
                     await asyncio.to_thread(unpack, archive, tree, label=name)
                     archive.unlink()
@@ -286,11 +314,17 @@ class LlamaCppInstaller:
             reporter.installing(f"checking that {BINARY} runs")
             line = await prove_runs(self.run, binary)
             marker = Marker(
-                engine=ENGINE, version=build.version, variant=build.variant,
-                binary=binary.relative_to(tree).as_posix(), source="release",
-                version_line=line, sha256=dict(assets),
+                engine=ENGINE,
+                version=build.version,
+                variant=build.variant,
+                binary=binary.relative_to(tree).as_posix(),
+                source="release",
+                version_line=line,
+                sha256=dict(assets),
                 binary_sha256=await asyncio.to_thread(sha256_file, binary),
-                url=source.asset_url(build.version, next(iter(assets))), installed=now_utc())
+                url=source.asset_url(build.version, next(iter(assets))),
+                installed=now_utc(),
+            )
             await asyncio.to_thread(write_marker, tree, marker)
             await asyncio.to_thread(move_into_place, tree, target)
         finally:
@@ -306,14 +340,20 @@ class LlamaCppInstaller:
             if first:
                 first = False
                 size = f" ({human_size(total)})" if total else ""
-                reporter.update(state=State.INSTALLING, detail=f"downloading {name}{size}",
-                                bytes_done=done, bytes_total=total)
+                reporter.update(
+                    state=ProvisionState.INSTALLING,
+                    detail=f"downloading {name}{size}",
+                    bytes_done=done,
+                    bytes_total=total,
+                )
             else:
                 reporter.progress(done, total)
+
         return on_progress
 
-    async def resolve_assets(self, session: aiohttp.ClientSession, build: LlamaCppBuild,
-                             source: ReleaseSource | None = None) -> dict[str, str]:
+    async def resolve_assets(
+        self, session: aiohttp.ClientSession, build: LlamaCppBuild, source: ReleaseSource | None = None
+    ) -> dict[str, str]:
         """``{asset file name: sha256}`` for each asset of ``build``, in order.
 
         Explicit checksums first, then GitHub's API (for GitHub), else a
@@ -333,7 +373,8 @@ class LlamaCppInstaller:
                 if found is None:
                     raise ProvisionError(
                         f"llama.cpp release {build.version} publishes no {stem}{ARCHIVE_SUFFIXES[0]} "
-                        "with a checksum, so it cannot be verified (is the tag right for this build?)")
+                        "with a checksum, so it cannot be verified (is the tag right for this build?)"
+                    )
             if found is None:
                 for name in candidates:
                     url = source.asset_url(build.version, name) + ".sha256"
@@ -345,7 +386,8 @@ class LlamaCppInstaller:
                 raise ProvisionError(
                     f"no checksum is published for {candidates[0]} (looked for "
                     f"{source.asset_url(build.version, candidates[0])}.sha256), so it cannot be "
-                    "verified; publish the .sha256 beside it or give the sha256 in the agent configuration")
+                    "verified; publish the .sha256 beside it or give the sha256 in the agent configuration"
+                )
             out[found[0]] = found[1]
         return out
 
@@ -368,9 +410,12 @@ class LlamaCppInstaller:
                 return existing
             except ProvisionError as e:
                 log.warning("the source-built llama-server no longer runs (%s); building it again", e)
-        reporter.update(state=State.INSTALLING, variant=SOURCE_VARIANT,
-                        detail=f"the release downloads cannot be reached ({why}); building "
-                               f"{BINARY} from source instead, which takes several minutes")
+        reporter.update(
+            state=ProvisionState.INSTALLING,
+            variant=SOURCE_VARIANT,
+            detail=f"the release downloads cannot be reached ({why}); building "
+            f"{BINARY} from source instead, which takes several minutes",
+        )
         loop = asyncio.get_running_loop()
         last: dict[str, object] = {}
 
@@ -385,9 +430,10 @@ class LlamaCppInstaller:
 
         try:
             built = await asyncio.to_thread(self.build_from_source, progress)
-        except llamacpp_source.ProvisionError as e:
-            raise ProvisionError(f"the release downloads cannot be reached ({why}), and building "
-                                 f"from source failed too: {e}") from None
+        except ProvisionError as e:
+            raise ProvisionError(
+                f"the release downloads cannot be reached ({why}), and building from source failed too: {e}"
+            ) from None
         work = await asyncio.to_thread(work_dir_beside, target)
         try:
             tree = work / "tree"
@@ -397,12 +443,17 @@ class LlamaCppInstaller:
             binary.chmod(0o755)
             line = await prove_runs(self.run, binary)
             marker = Marker(
-                engine=ENGINE, version=llamacpp_source.LLAMA_CPP_PYTHON_VERSION, variant=SOURCE_VARIANT,
-                binary="bin/" + BINARY, source="source", version_line=line,
+                engine=ENGINE,
+                version=llamacpp_source.LLAMA_CPP_PYTHON_VERSION,
+                variant=SOURCE_VARIANT,
+                binary="bin/" + BINARY,
+                source="source",
+                version_line=line,
                 sha256={llamacpp_source.SDIST_FILENAME: llamacpp_source.SDIST_SHA256},
                 binary_sha256=await asyncio.to_thread(sha256_file, binary),
                 url=f"pypi:llama-cpp-python=={llamacpp_source.LLAMA_CPP_PYTHON_VERSION}",
-                installed=now_utc())
+                installed=now_utc(),
+            )
             await asyncio.to_thread(write_marker, tree, marker)
             await asyncio.to_thread(move_into_place, tree, target)
         finally:

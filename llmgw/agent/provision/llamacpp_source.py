@@ -27,9 +27,14 @@ import sys
 import tarfile
 import tempfile
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+
+from llmgw.files import replace_durably
+from llmgw.paths import PathRefused, relative_path, resolve_inside
+
+from .status import ProvisionError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_FILENAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -59,10 +64,6 @@ INSTALL_HINT = "install them with `apt-get install cmake g++` (or your platform'
 Progress = Callable[[str, "float | None"], None]
 
 _CMAKE_PERCENT = re.compile(r"^\[\s*(\d{1,3})%\]")
-
-
-class ProvisionError(RuntimeError):
-    """A build step failed; the message says what to do about it."""
 
 
 # ---------------------------------------------------------------- paths
@@ -163,11 +164,20 @@ def download_sdist(dest: Path) -> Path:
         if python is None:
             raise ProvisionError(
                 f"downloading llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} needs pip, and this "
-                "llmgw binary has none: install python3 with pip, or pass --sdist FILE")
+                "llmgw binary has none: install python3 with pip, or pass --sdist FILE"
+            )
     cmd = [
-        python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
         "--disable-pip-version-check",
-        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dest),
+        f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+        "-d",
+        str(dest),
     ]
     r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     target = dest / SDIST_FILENAME
@@ -183,12 +193,11 @@ def download_sdist(dest: Path) -> Path:
 
 def _member_target(dest: Path, name: str) -> Path:
     """Where ``name`` lands under ``dest``; refuses anything that escapes it."""
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts or name.startswith(("/", "\\")):
-        raise ProvisionError(f"refusing to extract {name!r}: it points outside the target directory")
-    target = (dest / pure).resolve()
-    root = dest.resolve()
-    if target != root and root not in target.parents:
+    try:
+        target = resolve_inside(dest, relative_path(name))
+    except PathRefused:
+        target = None
+    if target is None:
         raise ProvisionError(f"refusing to extract {name!r}: it points outside the target directory")
     return target
 
@@ -206,9 +215,7 @@ def _check_member(dest: Path, m: tarfile.TarInfo) -> None:
         raise ProvisionError(f"refusing to extract {m.name!r}: not a regular file or directory")
 
 
-def safe_extract(
-    sdist: Path, dest: Path, select: Callable[[str], bool] | None = None
-) -> list[str]:
+def safe_extract(sdist: Path, dest: Path, select: Callable[[str], bool] | None = None) -> list[str]:
     """Extract (the selected members of) ``sdist`` into ``dest``; returns the names.
 
     Every member is checked before anything is written, so a hostile archive
@@ -246,7 +253,7 @@ def _extract_vocabs(sdist: Path, vocabs: tuple[str, ...]) -> dict[str, Path]:
         for name in safe_extract(sdist, Path(tmp), select):
             src = Path(tmp) / name
             final = out_dir / src.name
-            os.replace(src, final)
+            replace_durably(src, final)
             found[src.name] = final
     missing = wanted - set(found)
     if missing:
@@ -288,16 +295,20 @@ def check_toolchain() -> None:
         )
 
 
-def _run_logged(
-    cmd: list[str], log, on_line: Callable[[str], None] | None = None, cwd: Path | None = None
-) -> None:
+def _run_logged(cmd: list[str], log, on_line: Callable[[str], None] | None = None, cwd: Path | None = None) -> None:
     """Run ``cmd``, appending its output to ``log``; the tail goes into the error."""
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     tail: deque[str] = deque(maxlen=25)
     with subprocess.Popen(
-        cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1,
+        cmd,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
     ) as p:
         assert p.stdout is not None
         for line in p.stdout:
@@ -392,9 +403,7 @@ def build_llama_server(
                         progress("build", pct)
 
                 n = str(jobs or os.cpu_count() or 1)
-                _run_logged(
-                    ["cmake", "--build", str(build), "--target", BUILD_TARGET, "-j", n], log, on_line
-                )
+                _run_logged(["cmake", "--build", str(build), "--target", BUILD_TARGET, "-j", n], log, on_line)
                 progress("build", 100.0)
 
             progress("install", None)
@@ -410,7 +419,7 @@ def build_llama_server(
             if not binary_works(tmp_bin):
                 tmp_bin.unlink(missing_ok=True)
                 raise ProvisionError(f"the freshly built llama-server does not run `--version` (log: {log_path})")
-            os.replace(tmp_bin, final)
+            replace_durably(tmp_bin, final)
             progress("install", 100.0)
     return final
 
@@ -465,9 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs (default: CPU count)")
     args = ap.parse_args(argv)
     try:
-        path = build_llama_server(
-            _console_progress(), sdist=args.sdist, force=args.force, jobs=args.jobs
-        )
+        path = build_llama_server(_console_progress(), sdist=args.sdist, force=args.force, jobs=args.jobs)
     except ProvisionError as e:
         print(f"build-llama-server: {e}", file=sys.stderr)
         return 1

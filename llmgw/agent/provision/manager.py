@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import aiohttp
+
+from llmgw.protocol import ProvisionState
 
 from .fetch import make_session
 from .host import HostFacts, detect
@@ -27,8 +29,7 @@ from .os_packages import PackageInstaller
 from .python_engines import ENGINES as PYTHON_ENGINES
 from .python_engines import PythonEngineInstaller
 from .runner import Runner, run_command
-from .status import (NotHere, OnStatus, ProvisionError, ProvisionStatus, Reporter, State,
-                     Unsupported)
+from .status import NotHere, OnStatus, ProvisionError, ProvisionStatus, Reporter, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,11 @@ class Installer:
         # a time, so two engines do not wait on each other's apt lock.
         self.packages = packages or PackageInstaller(run)
         self.llamacpp = llamacpp or LlamaCppInstaller(
-            self.root, host, source=llamacpp_source, run=run, packages=self.packages,
-            session_factory=session_factory)
+            self.root, host, source=llamacpp_source, run=run, packages=self.packages, session_factory=session_factory
+        )
         self.python = python or PythonEngineInstaller(
-            self.root, host, run=run, packages=self.packages, session_factory=session_factory)
+            self.root, host, run=run, packages=self.packages, session_factory=session_factory
+        )
         self._locks: dict[str, asyncio.Lock] = {}
         self._last: dict[str, ProvisionStatus] = {}
 
@@ -120,45 +122,55 @@ class Installer:
             # finds everything in order sends nothing at all.
             start = replace(previous, bytes_done=None, bytes_total=None)
         else:
-            start = ProvisionStatus(want.engine, want.version, State.INSTALLING,
-                                    f"checking {want.engine} {want.version}")
+            start = ProvisionStatus(
+                want.engine, want.version, ProvisionState.INSTALLING, f"checking {want.engine} {want.version}"
+            )
         reporter = Reporter(start, self._emit, already_sent=previous)
         try:
             if not isinstance(want.version, str) or not want.version.strip():
                 # server.yaml's `engines.<name>: ""` leaves the engine to the
                 # operator, named in agent.yaml.
-                raise NotHere(f"{want.engine} is not installed by llmgw (its version is empty); "
-                              "the agent uses the one named in its configuration")
+                raise NotHere(
+                    f"{want.engine} is not installed by llmgw (its version is empty); "
+                    "the agent uses the one named in its configuration"
+                )
             if want.engine == "llamacpp":
                 await self.llamacpp.ensure(want.version, reporter, base_url=want.source_url)
             elif want.engine in PYTHON_ENGINES:
                 await self.python.ensure(want.engine, want.version, reporter)
             else:
-                raise Unsupported(f"this agent does not know how to install {want.engine}; install it "
-                                  "by hand and name it in the agent's configuration")
+                raise Unsupported(
+                    f"this agent does not know how to install {want.engine}; install it "
+                    "by hand and name it in the agent's configuration"
+                )
         except NotHere as e:
-            reporter.update(state=State.SKIPPED, detail=str(e), binary="")
+            reporter.update(state=ProvisionState.SKIPPED, detail=str(e), binary="")
         except Unsupported as e:
-            reporter.update(state=State.UNSUPPORTED, detail=str(e), binary="")
+            reporter.update(state=ProvisionState.UNSUPPORTED, detail=str(e), binary="")
         except ProvisionError as e:
             log.warning("installing %s %s failed: %s", want.engine, want.version, e)
-            reporter.update(state=State.FAILED, detail=str(e), binary="")
-        except asyncio.TimeoutError:
-            reporter.update(state=State.FAILED, binary="",
-                            detail=f"installing {want.engine} {want.version} took longer than allowed; "
-                                   "it is tried again later")
+            reporter.update(state=ProvisionState.FAILED, detail=str(e), binary="")
+        except TimeoutError:
+            reporter.update(
+                state=ProvisionState.FAILED,
+                binary="",
+                detail=f"installing {want.engine} {want.version} took longer than allowed; it is tried again later",
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:  # keep the agent running; say what happened
             log.exception("installing %s %s failed unexpectedly", want.engine, want.version)
-            reporter.update(state=State.FAILED, binary="",
-                            detail=f"installing {want.engine} {want.version} failed unexpectedly: "
-                                   f"{e.__class__.__name__}: {e}")
+            reporter.update(
+                state=ProvisionState.FAILED,
+                binary="",
+                detail=f"installing {want.engine} {want.version} failed unexpectedly: {e.__class__.__name__}: {e}",
+            )
         self._last[want.engine] = reporter.status
         return reporter.status
 
-    async def install_packages(self, by_family: Mapping[str, Sequence[str]],
-                               report: Callable[[str], None] | None = None) -> list[str]:
+    async def install_packages(
+        self, by_family: Mapping[str, Sequence[str]], report: Callable[[str], None] | None = None
+    ) -> list[str]:
         """OS packages for other parts of the agent (infiniband-diags, perftest)."""
         return await self.packages.ensure(self.host.family, by_family, report)
 
@@ -166,8 +178,14 @@ class Installer:
 class ConvergeLoop:
     """Runs :meth:`Installer.converge` when the wanted set changes and on a timer."""
 
-    def __init__(self, installer: Installer, *, recheck: float = RECHECK_INTERVAL,
-                 retry_first: float = RETRY_FIRST, retry_max: float = RETRY_MAX) -> None:
+    def __init__(
+        self,
+        installer: Installer,
+        *,
+        recheck: float = RECHECK_INTERVAL,
+        retry_first: float = RETRY_FIRST,
+        retry_max: float = RETRY_MAX,
+    ) -> None:
         self.installer = installer
         self.recheck = recheck
         self.retry_first = retry_first
@@ -183,7 +201,7 @@ class ConvergeLoop:
         self._changed.set()
 
     def next_delay(self, statuses: Sequence[ProvisionStatus]) -> float:
-        if any(s.state == State.FAILED for s in statuses):
+        if any(s.state == ProvisionState.FAILED for s in statuses):
             delay, self._retry = self._retry, min(self._retry * 2, self.retry_max)
             return delay
         self._retry = self.retry_first
@@ -198,5 +216,5 @@ class ConvergeLoop:
             self.passes += 1
             try:
                 await asyncio.wait_for(self._changed.wait(), self.next_delay(statuses))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._changed.set()

@@ -18,8 +18,8 @@ import asyncio
 import re
 import shutil
 import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping, Sequence
 
 from .runner import Runner, last_lines, run_command
 from .status import ProvisionError
@@ -42,8 +42,13 @@ LOCK_MESSAGES = (
 
 # Said when the agent is not allowed to install at all; checked before the
 # lock messages, because a non-root apt-get says both.
-PERMISSION_MESSAGES = ("are you root", "Permission denied", "must be run as root",
-                       "Root privileges are required", "This command has to be run with superuser")
+PERMISSION_MESSAGES = (
+    "are you root",
+    "Permission denied",
+    "must be run as root",
+    "Root privileges are required",
+    "This command has to be run with superuser",
+)
 
 # A package name as the package managers accept it; anything else (spaces,
 # options, shell syntax) is refused before a command is built from it.
@@ -60,8 +65,9 @@ class Plan:
 def check_names(packages: Sequence[str]) -> None:
     bad = [p for p in packages if not _PACKAGE.fullmatch(p)]
     if bad:
-        raise ProvisionError(f"{', '.join(map(repr, bad))} is not a package name "
-                             "(letters, digits and . + _ : ~ - only)")
+        raise ProvisionError(
+            f"{', '.join(map(repr, bad))} is not a package name (letters, digits and . + _ : ~ - only)"
+        )
 
 
 def install_plan(family: str, packages: Sequence[str], which: Callable[[str], str | None]) -> Plan | None:
@@ -73,10 +79,14 @@ def install_plan(family: str, packages: Sequence[str], which: Callable[[str], st
             return None
         # apt waits on dpkg's own lock for up to ten minutes by itself.
         lock = "-o=DPkg::Lock::Timeout=600"
-        return Plan("apt-get", (
-            ("apt-get", lock, "update"),
-            ("apt-get", lock, "install", "-y", "--no-install-recommends", *pkgs),
-        ), {"DEBIAN_FRONTEND": "noninteractive"})
+        return Plan(
+            "apt-get",
+            (
+                ("apt-get", lock, "update"),
+                ("apt-get", lock, "install", "-y", "--no-install-recommends", *pkgs),
+            ),
+            {"DEBIAN_FRONTEND": "noninteractive"},
+        )
     if family == "rpm":
         for tool in ("dnf", "yum"):
             if which(tool):
@@ -163,8 +173,10 @@ class PackageInstaller:
         plan = install_plan(family, missing, self.which)
         if plan is None:
             tools = "apt-get" if family == "deb" else "dnf, yum or zypper"
-            raise ProvisionError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                                 f"missing and no package manager ({tools}) was found to install it")
+            raise ProvisionError(
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                f"missing and no package manager ({tools}) was found to install it"
+            )
         report(f"installing {', '.join(missing)} with {plan.tool}")
         for cmd in plan.commands:
             await self.run_waiting_for_lock(list(cmd), plan.env, report, missing)
@@ -172,13 +184,15 @@ class PackageInstaller:
         # it cannot find in some modes); the query decides.
         still = await self.missing(family, missing)
         if still:
-            raise ProvisionError(f"{plan.tool} finished but {', '.join(still)} is still not installed; "
-                                 "check the machine's package sources")
+            raise ProvisionError(
+                f"{plan.tool} finished but {', '.join(still)} is still not installed; "
+                "check the machine's package sources"
+            )
         return missing
 
-    async def run_waiting_for_lock(self, cmd: list[str], env: Mapping[str, str],
-                                   report: Callable[[str], None],
-                                   packages: Sequence[str] = ()) -> None:
+    async def run_waiting_for_lock(
+        self, cmd: list[str], env: Mapping[str, str], report: Callable[[str], None], packages: Sequence[str] = ()
+    ) -> None:
         deadline = self.clock() + self.lock_wait
         started = self.clock()
         while True:
@@ -188,16 +202,21 @@ class PackageInstaller:
             if permission_denied(r.output):
                 raise ProvisionError(
                     f"{cmd[0]} needs root to install {', '.join(packages) or 'packages'}: run the "
-                    f"agent as root, or install them by hand ({last_lines(r.output, 2)})")
+                    f"agent as root, or install them by hand ({last_lines(r.output, 2)})"
+                )
             if not lock_held(r.output):
-                raise ProvisionError(f"`{' '.join(cmd)}` failed (exit {r.returncode}): "
-                                     f"{last_lines(r.output) or 'no output'}")
+                raise ProvisionError(
+                    f"`{' '.join(cmd)}` failed (exit {r.returncode}): {last_lines(r.output) or 'no output'}"
+                )
             if self.clock() >= deadline:
                 raise ProvisionError(
                     f"another {cmd[0]} held the package lock for more than "
                     f"{self.lock_wait / 60:.0f} minutes; it is tried again on the next pass "
-                    f"({last_lines(r.output, 1)})")
+                    f"({last_lines(r.output, 1)})"
+                )
             waited = self.clock() - started
-            report(f"waiting for another {cmd[0]} to finish (a new machine runs its own "
-                   f"updates first; waited {waited:.0f} s of {self.lock_wait:.0f})")
+            report(
+                f"waiting for another {cmd[0]} to finish (a new machine runs its own "
+                f"updates first; waited {waited:.0f} s of {self.lock_wait:.0f})"
+            )
             await self.sleep(self.lock_retry)

@@ -19,22 +19,34 @@ import asyncio
 import logging
 import re
 import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 import aiohttp
 
+from llmgw.protocol import ProvisionState
+
 from .archive import unpack
-from .fetch import (download, fetch_sidecar, http_get, make_session, normalise_sha256,
-                    status_error)
+from .fetch import download, fetch_sidecar, http_get, make_session, normalise_sha256, status_error
 from .host import HostFacts
 from .os_packages import PackageInstaller
 from .runner import Runner, last_lines, run_command
-from .status import NotHere, ProvisionError, Reporter, State, Unsupported
-from .verify import (Installed, Marker, find_binary, installed_at, move_into_place, now_utc,
-                     prove_runs, sha256_file, still_runs, work_dir_beside, write_marker)
+from .status import NotHere, ProvisionError, Reporter, Unsupported
+from .verify import (
+    Installed,
+    Marker,
+    find_binary,
+    installed_at,
+    move_into_place,
+    now_utc,
+    prove_runs,
+    sha256_file,
+    still_runs,
+    work_dir_beside,
+    write_marker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +89,9 @@ ENGINES: Mapping[str, PythonEngine] = {
     "vllm": PythonEngine("vllm", "vLLM", "vllm", "vllm"),
     # SGLang is launched as a module, so the agent is given the environment's
     # interpreter, and the proof is importing it.
-    "sglang": PythonEngine("sglang", "SGLang", "sglang", "python",
-                           ("-c", "import sglang; print('sglang', sglang.__version__)")),
+    "sglang": PythonEngine(
+        "sglang", "SGLang", "sglang", "python", ("-c", "import sglang; print('sglang', sglang.__version__)")
+    ),
 }
 
 
@@ -106,12 +119,16 @@ def cuda_gate(display: str, host: HostFacts) -> None:
         raise NotHere(f"{display} runs on NVIDIA GPUs and this node has none; it serves llama.cpp models")
     major = _leading_int(host.nvidia_driver)
     if 0 < major < MIN_DRIVER:
-        raise Unsupported(f"{display} is built for CUDA 13, which needs NVIDIA driver {MIN_DRIVER} or "
-                          f"newer; this node has {host.nvidia_driver}")
+        raise Unsupported(
+            f"{display} is built for CUDA 13, which needs NVIDIA driver {MIN_DRIVER} or "
+            f"newer; this node has {host.nvidia_driver}"
+        )
     cc = host.min_compute_capability
     if cc is not None and 0 < cc < MIN_COMPUTE_CAPABILITY:
-        raise Unsupported(f"{display} is built for CUDA 13, which supports GPUs of compute capability "
-                          f"{MIN_COMPUTE_CAPABILITY} and newer; this node has one of {cc:.1f}")
+        raise Unsupported(
+            f"{display} is built for CUDA 13, which supports GPUs of compute capability "
+            f"{MIN_COMPUTE_CAPABILITY} and newer; this node has one of {cc:.1f}"
+        )
 
 
 def choose_build(engine: str, version: str, host: HostFacts) -> PythonBuild:
@@ -121,8 +138,9 @@ def choose_build(engine: str, version: str, host: HostFacts) -> PythonBuild:
     if not isinstance(version, str) or not _VERSION.fullmatch(version):
         raise ProvisionError(f"{version!r} is not a {spec.display} version; use one such as 0.30.0")
     cuda_gate(spec.display, host)
-    return PythonBuild(spec, version, VARIANT, PYTHON_VERSION, (f"{spec.project}=={version}",),
-                       COMPILER_PACKAGES, FREE_GB)
+    return PythonBuild(
+        spec, version, VARIANT, PYTHON_VERSION, (f"{spec.project}=={version}",), COMPILER_PACKAGES, FREE_GB
+    )
 
 
 # ------------------------------------------------------------------ resolution date
@@ -130,7 +148,7 @@ def choose_build(engine: str, version: str, host: HostFacts) -> PythonBuild:
 
 def parse_upload_time(value: str) -> datetime:
     t = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 def exclude_newer(upload_times: Iterable[str | datetime]) -> str:
@@ -143,28 +161,30 @@ def exclude_newer(upload_times: Iterable[str | datetime]) -> str:
     if not times:
         raise ProvisionError("the release lists no files")
     last = max(times) + timedelta(days=1)
-    return last.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return last.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def published_files(session: aiohttp.ClientSession, pypi_base: str, project: str,
-                          version: str) -> list[str]:
+async def published_files(session: aiohttp.ClientSession, pypi_base: str, project: str, version: str) -> list[str]:
     """Upload times of every file of ``project`` ``version`` on PyPI (JSON API)."""
     url = f"{pypi_base.rstrip('/')}/pypi/{project}/{version}/json"
     resp = await http_get(session, url)
     async with resp:
         if resp.status == 404:
-            raise ProvisionError(f"PyPI has no {project} {version}; check the version in server.yaml "
-                                 "`engines:`")
+            raise ProvisionError(f"PyPI has no {project} {version}; check the version in server.yaml `engines:`")
         if resp.status != 200:
             raise status_error(resp, f"{project} {version}")
         try:
             body = await resp.json(content_type=None)
         except ValueError:
-            raise ProvisionError(f"PyPI's answer for {project} {version} is not JSON "
-                                 f"(is {pypi_base} a package index?)") from None
+            raise ProvisionError(
+                f"PyPI's answer for {project} {version} is not JSON (is {pypi_base} a package index?)"
+            ) from None
     urls = body.get("urls") if isinstance(body, dict) else None
-    times = [u["upload_time_iso_8601"] for u in urls or []
-             if isinstance(u, dict) and isinstance(u.get("upload_time_iso_8601"), str)]
+    times = [
+        u["upload_time_iso_8601"]
+        for u in urls or []
+        if isinstance(u, dict) and isinstance(u.get("upload_time_iso_8601"), str)
+    ]
     if not times:
         raise ProvisionError(f"PyPI lists no files for {project} {version}")
     return times
@@ -193,14 +213,25 @@ def venv_command(uv: Path, python: str, venv: Path) -> list[str]:
 
 def compile_command(uv: Path, venv_python: Path, as_of: str, lock: Path) -> list[str]:
     """Resolve the requirements given on stdin as PyPI stood at ``as_of``, with hashes."""
-    return [str(uv), "pip", "compile", "--python", str(venv_python), "--exclude-newer", as_of,
-            "--generate-hashes", "--quiet", "--output-file", str(lock), "-"]
+    return [
+        str(uv),
+        "pip",
+        "compile",
+        "--python",
+        str(venv_python),
+        "--exclude-newer",
+        as_of,
+        "--generate-hashes",
+        "--quiet",
+        "--output-file",
+        str(lock),
+        "-",
+    ]
 
 
 def install_command(uv: Path, venv_python: Path, lock: Path) -> list[str]:
     # --no-deps: the lock already lists every dependency, each with its hash.
-    return [str(uv), "pip", "install", "--python", str(venv_python), "--require-hashes",
-            "--no-deps", "-r", str(lock)]
+    return [str(uv), "pip", "install", "--python", str(venv_python), "--require-hashes", "--no-deps", "-r", str(lock)]
 
 
 def free_gb(path: Path) -> float:
@@ -260,36 +291,44 @@ class PythonEngineInstaller:
         build = choose_build(engine, version, self.host)
         reporter.update(variant=build.variant)
         await self.packages.ensure(self.host.family, build.packages, reporter.installing)
-        found = await still_runs(self.install_dir(build), self.check, reporter,
-                                 logged=f"{engine} {version}", shown=build.engine.display)
+        found = await still_runs(
+            self.install_dir(build), self.check, reporter, logged=f"{engine} {version}", shown=build.engine.display
+        )
         if found is not None:
-            reporter.update(state=State.READY, binary=str(found[0].binary),
-                            detail=f"{build.engine.binary} {found[1]}".strip())
+            reporter.update(
+                state=ProvisionState.READY,
+                binary=str(found[0].binary),
+                detail=f"{build.engine.binary} {found[1]}".strip(),
+            )
             return
         installed = await asyncio.wait_for(self.install(build, reporter), INSTALL_TIMEOUT)
-        reporter.update(state=State.READY, binary=str(installed.binary),
-                        detail=f"{build.engine.binary} {installed.marker.version_line}".strip())
+        reporter.update(
+            state=ProvisionState.READY,
+            binary=str(installed.binary),
+            detail=f"{build.engine.binary} {installed.marker.version_line}".strip(),
+        )
 
     async def check(self, installed: Installed) -> str:
         """Re-verify an environment: its program still starts (imports, for SGLang)."""
         spec = ENGINES[installed.marker.engine]
         if not installed.binary.exists():
             raise ProvisionError(f"{installed.binary} is gone")
-        return await prove_runs(self.run, installed.binary, version_args=spec.version_args,
-                                use_ldd=False, timeout=VERIFY_TIMEOUT)
+        return await prove_runs(
+            self.run, installed.binary, version_args=spec.version_args, use_ldd=False, timeout=VERIFY_TIMEOUT
+        )
 
     async def install(self, build: PythonBuild, reporter: Reporter) -> Installed:
         spec = build.engine
         self.root.mkdir(parents=True, exist_ok=True)
         free = self.free_space(self.root)
         if free < build.free_gb:
-            raise ProvisionError(f"{spec.display} needs about {build.free_gb:.0f} GB free under "
-                                 f"{self.root} and there are {free:.1f} GB")
+            raise ProvisionError(
+                f"{spec.display} needs about {build.free_gb:.0f} GB free under {self.root} and there are {free:.1f} GB"
+            )
         uv = await self.ensure_uv(reporter)
         async with self.session_factory() as session:
             reporter.installing(f"asking PyPI when {spec.project} {build.version} was published")
-            as_of = exclude_newer(await published_files(session, self.pypi_base, spec.project,
-                                                        build.version))
+            as_of = exclude_newer(await published_files(session, self.pypi_base, spec.project, build.version))
         env = uv_env(self.root)
         target = self.install_dir(build)
         work = await asyncio.to_thread(work_dir_beside, target)
@@ -300,27 +339,40 @@ class PythonEngineInstaller:
             reporter.installing(f"creating a Python {build.python} environment for {spec.display}")
             await self._uv(venv_command(uv, build.python, venv), env, "creating the environment")
             reporter.installing(f"resolving {' '.join(build.requirements)} against PyPI as of {as_of[:10]}")
-            await self._uv(compile_command(uv, python, as_of, lock), env,
-                           f"resolving {' '.join(build.requirements)}",
-                           stdin="\n".join(build.requirements) + "\n")
-            reporter.installing(f"downloading and installing {' '.join(build.requirements)} and its "
-                                "dependencies: several gigabytes, which takes minutes")
-            await self._uv(install_command(uv, python, lock), env,
-                           f"installing {' '.join(build.requirements)}")
+            await self._uv(
+                compile_command(uv, python, as_of, lock),
+                env,
+                f"resolving {' '.join(build.requirements)}",
+                stdin="\n".join(build.requirements) + "\n",
+            )
+            reporter.installing(
+                f"downloading and installing {' '.join(build.requirements)} and its "
+                "dependencies: several gigabytes, which takes minutes"
+            )
+            await self._uv(install_command(uv, python, lock), env, f"installing {' '.join(build.requirements)}")
             reporter.installing(f"checking that {spec.display} runs")
             binary = venv / "bin" / spec.binary
             if not binary.exists():
-                raise ProvisionError(f"{spec.binary} is not in the environment after installing "
-                                     f"{' '.join(build.requirements)}")
-            line = await prove_runs(self.run, binary, version_args=spec.version_args,
-                                    use_ldd=False, timeout=VERIFY_TIMEOUT)
+                raise ProvisionError(
+                    f"{spec.binary} is not in the environment after installing {' '.join(build.requirements)}"
+                )
+            line = await prove_runs(
+                self.run, binary, version_args=spec.version_args, use_ldd=False, timeout=VERIFY_TIMEOUT
+            )
             marker = Marker(
-                engine=spec.name, version=build.version, variant=build.variant,
-                binary=f"bin/{spec.binary}", source="uv", version_line=line,
+                engine=spec.name,
+                version=build.version,
+                variant=build.variant,
+                binary=f"bin/{spec.binary}",
+                source="uv",
+                version_line=line,
                 sha256={LOCK_NAME: await asyncio.to_thread(sha256_file, lock)},
-                requirements=list(build.requirements), exclude_newer=as_of, uv=UV_VERSION,
+                requirements=list(build.requirements),
+                exclude_newer=as_of,
+                uv=UV_VERSION,
                 url=f"{self.pypi_base.rstrip('/')}/pypi/{spec.project}/{build.version}",
-                installed=now_utc())
+                installed=now_utc(),
+            )
             await asyncio.to_thread(write_marker, venv, marker)
             await asyncio.to_thread(move_into_place, venv, target)
         finally:
@@ -331,8 +383,7 @@ class PythonEngineInstaller:
         log.info("installed %s %s into %s (PyPI as of %s)", spec.name, build.version, target, as_of)
         return Installed(target, marker)
 
-    async def _uv(self, argv: Sequence[str], env: Mapping[str, str], what: str,
-                  stdin: str | None = None) -> None:
+    async def _uv(self, argv: Sequence[str], env: Mapping[str, str], what: str, stdin: str | None = None) -> None:
         r = await self.run(list(argv), env=env, stdin=stdin, timeout=INSTALL_TIMEOUT)
         if not r.ok:
             raise ProvisionError(f"{what} failed (uv exit {r.returncode}): {last_lines(r.output) or 'no output'}")
@@ -359,17 +410,26 @@ class PythonEngineInstaller:
             async with self.session_factory() as session:
                 sha = self.uv_sha256 or await fetch_sidecar(session, url + ".sha256", asset)
                 if sha is None:
-                    raise ProvisionError(f"no checksum is published for {asset} (looked for {url}.sha256), "
-                                         "so it cannot be verified")
+                    raise ProvisionError(
+                        f"no checksum is published for {asset} (looked for {url}.sha256), so it cannot be verified"
+                    )
                 archive = work / asset
                 await download(session, url, archive, sha, label=asset)
             await asyncio.to_thread(unpack, archive, tree, label=asset)
             binary = await asyncio.to_thread(find_binary, tree, "uv")
             line = await prove_runs(self.run, binary, use_ldd=False)
-            marker = Marker(engine="uv", version=UV_VERSION, variant=asset.split("-")[1],
-                            binary=binary.relative_to(tree).as_posix(), source="release",
-                            version_line=line, sha256={asset: sha}, url=url, installed=now_utc(),
-                            binary_sha256=await asyncio.to_thread(sha256_file, binary))
+            marker = Marker(
+                engine="uv",
+                version=UV_VERSION,
+                variant=asset.split("-")[1],
+                binary=binary.relative_to(tree).as_posix(),
+                source="release",
+                version_line=line,
+                sha256={asset: sha},
+                url=url,
+                installed=now_utc(),
+                binary_sha256=await asyncio.to_thread(sha256_file, binary),
+            )
             await asyncio.to_thread(write_marker, tree, marker)
             await asyncio.to_thread(move_into_place, tree, target)
         except ProvisionError as e:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,15 @@ async def run_command(
         # ENOEXEC and friends: a file that is not a program for this machine.
         return CommandResult(NOT_FOUND, f"{argv[0]}: cannot be run ({e.strerror or e})")
     try:
-        out, _ = await asyncio.wait_for(
-            proc.communicate(stdin.encode() if stdin is not None else None), timeout
-        )
-    except asyncio.TimeoutError:
+        out, _ = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None), timeout)
+    except TimeoutError:
         _kill_group(proc)
         await proc.wait()
         return CommandResult(TIMED_OUT, f"{argv[0]} did not finish within {timeout:.0f} s")
     except asyncio.CancelledError:
         _kill_group(proc)
         raise
-    return CommandResult(proc.returncode if proc.returncode is not None else -1,
-                         out.decode(errors="replace"))
+    return CommandResult(proc.returncode if proc.returncode is not None else -1, out.decode(errors="replace"))
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:

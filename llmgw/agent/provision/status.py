@@ -6,31 +6,19 @@ install takes minutes, and one that is silent for minutes looks stuck.
 
 from __future__ import annotations
 
-import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
-
-class State(str, enum.Enum):
-    INSTALLING = "installing"
-    READY = "ready"
-    FAILED = "failed"
-    # No build fits this machine, or the agent cannot install this engine.
-    UNSUPPORTED = "unsupported"
-    # Not meant for this node (vLLM without a GPU): nothing is wrong, and
-    # nothing should be shown as wrong.
-    SKIPPED = "skipped"
-
-    def __str__(self) -> str:
-        return self.value
+from llmgw.errors import LlmgwError
+from llmgw.protocol import ProvisionState
 
 
 @dataclass(frozen=True)
 class ProvisionStatus:
     engine: str
     version: str
-    state: State
+    state: ProvisionState
     # What is happening or what went wrong, for a person.
     detail: str = ""
     variant: str = ""
@@ -60,7 +48,7 @@ class ProvisionStatus:
 OnStatus = Callable[[ProvisionStatus], None]
 
 
-class ProvisionError(RuntimeError):
+class ProvisionError(LlmgwError, RuntimeError):
     """An install failed; the message says what went wrong and what to do."""
 
 
@@ -111,7 +99,7 @@ class Reporter:
         return self.status
 
     def installing(self, detail: str) -> None:
-        self.update(state=State.INSTALLING, detail=detail)
+        self.update(state=ProvisionState.INSTALLING, detail=detail)
 
     def progress(self, done: int, total: int | None) -> None:
         self.status = replace(self.status, bytes_done=done, bytes_total=total)

@@ -15,10 +15,14 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from llmgw.files import write_atomic
+from llmgw.paths import PathRefused, relative_path
 
 from .llamacpp_source import sha256_file  # noqa: F401 - the installers import it from here with the rest
 from .runner import Runner, last_lines
@@ -93,15 +97,23 @@ def version_line(output: str) -> str:
 
 def find_binary(tree: Path, name: str) -> Path:
     """The executable called ``name`` anywhere under ``tree`` (shallowest first)."""
-    found = sorted((p for p in tree.rglob(name) if p.is_file() and not p.is_symlink()),
-                   key=lambda p: (len(p.relative_to(tree).parts), str(p)))
+    found = sorted(
+        (p for p in tree.rglob(name) if p.is_file() and not p.is_symlink()),
+        key=lambda p: (len(p.relative_to(tree).parts), str(p)),
+    )
     if not found:
         raise ProvisionError(f"the build has no {name} in it")
     return found[0]
 
 
-async def prove_runs(run: Runner, binary: Path, *, version_args: Sequence[str] = ("--version",),
-                     use_ldd: bool = True, timeout: float = VERSION_TIMEOUT) -> str:
+async def prove_runs(
+    run: Runner,
+    binary: Path,
+    *,
+    version_args: Sequence[str] = ("--version",),
+    use_ldd: bool = True,
+    timeout: float = VERSION_TIMEOUT,
+) -> str:
     """ldd, then run ``binary`` with ``version_args``; returns the version line."""
     name = binary.name
     if not os.access(binary, os.X_OK):
@@ -115,8 +127,9 @@ async def prove_runs(run: Runner, binary: Path, *, version_args: Sequence[str] =
             raise ProvisionError(f"{name} cannot run on this system: " + "; ".join(findings))
     r = await run([str(binary), *version_args], timeout=timeout)
     if not r.ok:
-        raise ProvisionError(f"`{name} {' '.join(version_args)}` failed (exit {r.returncode}): "
-                             f"{last_lines(r.output) or 'no output'}")
+        raise ProvisionError(
+            f"`{name} {' '.join(version_args)}` failed (exit {r.returncode}): {last_lines(r.output) or 'no output'}"
+        )
     return version_line(r.output)
 
 
@@ -148,7 +161,7 @@ class Marker:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "Marker":
+    def from_json(cls, text: str) -> Marker:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
@@ -157,14 +170,12 @@ class Marker:
 
 
 def now_utc() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def write_marker(tree: Path, marker: Marker) -> None:
     """Write the marker into ``tree``; call it last, after every check passed."""
-    tmp = tree / (MARKER + ".tmp")
-    tmp.write_text(marker.to_json())
-    os.replace(tmp, tree / MARKER)
+    write_atomic(tree / MARKER, marker.to_json().encode("utf-8"))
 
 
 def read_marker(install_dir: Path) -> Marker | None:
@@ -191,16 +202,18 @@ def installed_at(install_dir: Path) -> Installed | None:
     m = read_marker(install_dir)
     if m is None:
         return None
-    rel = PurePosixPath(m.binary)
     # The marker is ours, but the directory is on disk where anyone with
     # root could edit it; a binary path leaving it is not followed.
-    if rel.is_absolute() or ".." in rel.parts:
+    try:
+        relative_path(m.binary)
+    except PathRefused:
         return None
     return Installed(install_dir, m)
 
 
-async def still_runs(install_dir: Path, check: Callable[[Installed], Awaitable[str]],
-                     reporter: Reporter, *, logged: str, shown: str) -> tuple[Installed, str] | None:
+async def still_runs(
+    install_dir: Path, check: Callable[[Installed], Awaitable[str]], reporter: Reporter, *, logged: str, shown: str
+) -> tuple[Installed, str] | None:
     """The install in ``install_dir`` and its version line if it is there and still runs.
 
     An install is checked again rather than believed (a library it needs can be

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from llmgw.config.server import ADMIN_TOKEN_FILE
+from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError, read_secret_file, write_secret_file
 from llmgw.pki import peer_node_id
 from llmgw.server.gateway.errors import error_response
@@ -24,20 +26,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.server.admin")
 
-TOKEN_FILE = "admin-token"
 # Probes a load balancer or systemd may call without a credential; everything else needs one.
 OPEN_PATHS = frozenset({"/health", "/ready"})
 
 
-class AccessError(Exception):
+class AccessError(LlmgwError):
     """The admin credential could not be set up; the message says what to change."""
 
 
-def token_file(config: "ServerConfig") -> Path:
-    return Path(config.data_path) / TOKEN_FILE
+def token_file(config: ServerConfig) -> Path:
+    return Path(config.data_path) / ADMIN_TOKEN_FILE
 
 
-async def ensure_first_token(store: "Store", config: "ServerConfig") -> Path:
+async def ensure_first_token(store: Store, config: ServerConfig) -> Path:
     """Make the data directory and, at the first start, the first admin token in it.
 
     A token file that exists is left alone, even if its token was revoked: revoking it
@@ -47,8 +48,10 @@ async def ensure_first_token(store: "Store", config: "ServerConfig") -> Path:
     try:
         path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
     except OSError as exc:
-        raise AccessError(f"data_dir {path.parent}: cannot be created ({exc.strerror}); create it, owned by the "
-                          "user llmgw runs as, or set data_dir in server.yaml") from None
+        raise AccessError(
+            f"data_dir {path.parent}: cannot be created ({exc.strerror}); create it, owned by the "
+            "user llmgw runs as, or set data_dir in server.yaml"
+        ) from None
     if path.exists():
         try:
             read_secret_file(path)
@@ -60,23 +63,30 @@ async def ensure_first_token(store: "Store", config: "ServerConfig") -> Path:
         write_secret_file(path, secret)
     except OSError as exc:
         await store.revoke_admin_token(rec.id)
-        raise AccessError(f"{path}: cannot be written ({exc.strerror}); make data_dir writable by the user llmgw "
-                          "runs as") from None
-    log.info("made the first admin token (%s, %s) in %s; llmgw ctl on this machine reads it from there",
-             rec.id, rec.prefix, path)
+        raise AccessError(
+            f"{path}: cannot be written ({exc.strerror}); make data_dir writable by the user llmgw runs as"
+        ) from None
+    log.info(
+        "made the first admin token (%s, %s) in %s; llmgw ctl on this machine reads it from there",
+        rec.id,
+        rec.prefix,
+        path,
+    )
     return path
 
 
 class AdminAccess:
     """The admin listener's guard: browser refusals, then a token or a listed client certificate."""
 
-    def __init__(self, store: "Store", config: "ServerConfig") -> None:
+    def __init__(self, store: Store, config: ServerConfig) -> None:
         self.store = store
         self.tls_clients = frozenset(config.admin_tls.clients) if config.admin_tls is not None else frozenset()
         names = machine_names(config.admin_listen.host, *config.admin_hosts)
-        how = (f"the admin API needs a credential: send 'Authorization: Bearer <admin token>'. On the control plane "
-               f"`llmgw ctl` reads {token_file(config)} by itself (as root or the server's user); "
-               "`llmgw ctl token create NAME` makes another; pass one with --token-file or LLMGW_ADMIN_TOKEN")
+        how = (
+            f"the admin API needs a credential: send 'Authorization: Bearer <admin token>'. On the control plane "
+            f"`llmgw ctl` reads {token_file(config)} by itself (as root or the server's user); "
+            "`llmgw ctl token create NAME` makes another; pass one with --token-file or LLMGW_ADMIN_TOKEN"
+        )
         if self.tls_clients:
             how += f", or present a client certificate issued to {' or '.join(sorted(self.tls_clients))}"
         self.guard: Guard = guard_for(names, self.authenticate, how, _error, OPEN_PATHS)
@@ -98,4 +108,3 @@ def _error(status: int, message: str, code: str) -> web.Response:
     if status == 401:
         resp.headers["WWW-Authenticate"] = 'Bearer realm="llmgw admin"'
     return resp
-

@@ -7,19 +7,45 @@ routes when the server is not a control plane.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import orjson
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from llmgw import __version__
+from llmgw.errors import LlmgwError
 from llmgw.protocol import LogsReply, LogsRequest
+from llmgw.protocol.admin import (
+    CatalogModel,
+    EndpointRow,
+    EndpointsReply,
+    MirrorServeRequest,
+    ModelAddRequest,
+    ModelReply,
+    ModelsReply,
+    ModelStatus,
+    NodeAction,
+    NodeLogs,
+    NodeRow,
+    NodesReply,
+    NodeVerdict,
+    PlacementReply,
+    ProfilePlacement,
+    Removed,
+    ReplicaRow,
+    ReplicasReply,
+    ScaleRequest,
+    StatusReply,
+    UsageCounts,
+)
+from llmgw.protocol.mirror_api import MirrorFetchRequest, MirrorListing, MirrorVersion
 from llmgw.server.control.agents import AgentServiceError
-from llmgw.server.control.catalog import Catalog, CatalogError
+from llmgw.server.control.catalog import Catalog, CatalogEntry, CatalogError
+from llmgw.server.control.mirror_client import MirrorClient, MirrorRefused, MirrorUnavailable, entry_from_version
 from llmgw.server.control.placement import explain, gpu_class_of, node_view
-from llmgw.server.control.mirror_client import (MirrorClient, MirrorRefused, MirrorUnavailable,
-                                               entry_from_version)
 from llmgw.server.control.reconciler import ControlError, Reconciler
 from llmgw.server.gateway.errors import error_response
 
@@ -27,11 +53,11 @@ if TYPE_CHECKING:
     from llmgw.server.app import Server
 
 
-class NotControlPlane(Exception):
+class NotControlPlane(LlmgwError):
     """An admin request that only a control plane can answer."""
 
 
-class NoMirror(Exception):
+class NoMirror(LlmgwError):
     """A mirror request on a control plane with no mirror: configured."""
 
 
@@ -39,9 +65,25 @@ def dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
 
 
+def json_reply(body: BaseModel, status: int = 200) -> web.Response:
+    """A reply body as protocol.admin defines it: a field the handler did not set is absent."""
+    return web.json_response(body.model_dump(mode="json", exclude_unset=True), status=status, dumps=dumps)
+
+
+def catalog_model(entry: CatalogEntry) -> CatalogModel:
+    return CatalogModel.model_validate(entry.to_dict())
+
+
+def _first_error(exc: ValidationError) -> str:
+    e = exc.errors()[0]
+    return f"{'.'.join(map(str, e['loc'])) or 'the body'}: {e['msg']}"
+
+
+Shape = TypeVar("Shape", bound=BaseModel)
+
 
 class AdminAPI:
-    def __init__(self, server: "Server") -> None:
+    def __init__(self, server: Server) -> None:
         self.s = server
 
     def add_routes(self, app: web.Application) -> None:
@@ -71,15 +113,24 @@ class AdminAPI:
         out = []
         for ep in self.s.endpoints.endpoints:
             stale = ep.metrics_stale(now, stale_after)
-            out.append({
-                "model": ep.model, "url": ep.url, "engine": ep.engine,
-                "healthy": ep.healthy, "health": ep.health_detail, "available": ep.available(now),
-                "breaker_open": ep.breaker_open, "consecutive_failures": ep.failures,
-                "inflight": ep.inflight,
-                "waiting": None if stale else ep.waiting, "running": None if stale else ep.running,
-                "kv_cache_usage": None if stale else ep.kv_usage, "metrics_stale": stale,
-            })
-        return web.json_response({"endpoints": out}, dumps=dumps)
+            out.append(
+                EndpointRow(
+                    model=ep.model,
+                    url=ep.url,
+                    engine=ep.engine,
+                    healthy=ep.healthy,
+                    health=ep.health_detail,
+                    available=ep.available(now),
+                    breaker_open=ep.breaker_open,
+                    consecutive_failures=ep.failures,
+                    inflight=ep.inflight,
+                    waiting=None if stale else ep.waiting,
+                    running=None if stale else ep.running,
+                    kv_cache_usage=None if stale else ep.kv_usage,
+                    metrics_stale=stale,
+                )
+            )
+        return json_reply(EndpointsReply(endpoints=out))
 
     def _need_reconciler(self) -> Reconciler:
         if self.s.reconciler is None or self.s.agents is None:
@@ -108,24 +159,32 @@ class AdminAPI:
             warnings = [f"GPU {g.index}: {'; '.join(g.problems)}" for g in view.gpus if g.problems]
             if n.node_id in rec.node_warnings:
                 warnings.append(rec.node_warnings[n.node_id])
-            out.append({
-                "node_id": n.node_id, "state": rec.node_state(n), "connected": n.connected, "last_seen": n.last_seen,
-                "last_seen_ago_s": round(now - n.last_seen, 1) if n.last_seen else None,
-                "agent_version": n.agent_version, "mgmt_addr": n.mgmt_addr, "mgmt_interface": n.mgmt_interface,
-                "labels": n.labels or {}, "engines": n.engine_versions or {},
-                "provision": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.provision.items()},
-                "memory": n.memory.model_dump(mode="json", exclude_none=True) if n.memory else None,
-                "gpus_total": len(gpus),
-                "gpus_free": sum(1 for g in view.gpus if g.healthy and g.index not in claimed),
-                "classes": sorted({gpu_class_of(g) for g in gpus}),
-                "fabrics": sorted(view.fabrics),
-                "disk_free_bytes": disk.free_bytes if disk else None,
-                "disk_total_bytes": disk.total_bytes if disk else None,
-                "replicas": sorted(by_node.get(n.node_id, [])),
-                "warnings": warnings,
-                "shards": {k: v.model_dump(mode="json", exclude_none=True) for k, v in n.shards.items()},
-            })
-        return web.json_response({"nodes": out}, dumps=dumps)
+            out.append(
+                NodeRow(
+                    node_id=n.node_id,
+                    state=rec.node_state(n),
+                    connected=n.connected,
+                    last_seen=n.last_seen,
+                    last_seen_ago_s=round(now - n.last_seen, 1) if n.last_seen else None,
+                    agent_version=n.agent_version,
+                    mgmt_addr=n.mgmt_addr,
+                    mgmt_interface=n.mgmt_interface,
+                    labels=n.labels or {},
+                    engines=n.engine_versions or {},
+                    provision=dict(n.provision),
+                    memory=n.memory,
+                    gpus_total=len(gpus),
+                    gpus_free=sum(1 for g in view.gpus if g.healthy and g.index not in claimed),
+                    classes=sorted({gpu_class_of(g) for g in gpus}),
+                    fabrics=sorted(view.fabrics),
+                    disk_free_bytes=disk.free_bytes if disk else None,
+                    disk_total_bytes=disk.total_bytes if disk else None,
+                    replicas=sorted(by_node.get(n.node_id, [])),
+                    warnings=warnings,
+                    shards=dict(n.shards),
+                )
+            )
+        return json_reply(NodesReply(nodes=out))
 
     async def _node_op(self, request: web.Request, op: str) -> web.Response:
         rec = self._need_reconciler()
@@ -135,8 +194,7 @@ class AdminAPI:
         except ControlError as exc:
             return error_response(404, str(exc), "node_not_found")
         n = self.s.agents.get(node) if self.s.agents else None
-        return web.json_response({"node": node, "state": rec.node_state(n) if n else None, "message": message},
-                                 dumps=dumps)
+        return json_reply(NodeAction(node=node, state=rec.node_state(n) if n else None, message=message))
 
     async def _api_node_cordon(self, request: web.Request) -> web.Response:
         return await self._node_op(request, "cordon")
@@ -153,10 +211,12 @@ class AdminAPI:
         if model is not None:
             entry = self._need_catalog().get(model)
             if entry is None:
-                return error_response(404, f"no model {model} in the catalog; llmgw ctl models lists them",
-                                      "model_not_found")
+                return error_response(
+                    404, f"no model {model} in the catalog; llmgw ctl models lists them", "model_not_found"
+                )
             model = entry.name
-        return web.json_response({"replicas": rec.replica_rows(model)}, dumps=dumps)
+        # The reconciler's rows are dicts; they take the wire's shape here.
+        return json_reply(ReplicasReply(replicas=[ReplicaRow.model_validate(r) for r in rec.replica_rows(model)]))
 
     async def _api_node_remove(self, request: web.Request) -> web.Response:
         if self.s.agents is None:
@@ -165,7 +225,7 @@ class AdminAPI:
             self.s.agents.remove(request.match_info["node"])
         except AgentServiceError as exc:
             return error_response(400, str(exc), "refused")
-        return web.json_response({"removed": request.match_info["node"]}, dumps=dumps)
+        return json_reply(Removed(removed=request.match_info["node"]))
 
     async def _api_node_logs(self, request: web.Request) -> web.Response:
         """A node's own log or a shard's output, fetched through the agent's stream."""
@@ -179,13 +239,13 @@ class AdminAPI:
         except ValueError:
             return error_response(400, "lines should be a whole number from 1 to 100000", "invalid_request")
         try:
-            reply = await self.s.agents.request(request.match_info["node"],
-                                              LogsRequest(source=q.get("source") or None, lines=lines), timeout=15)
+            reply = await self.s.agents.request(
+                request.match_info["node"], LogsRequest(source=q.get("source") or None, lines=lines), timeout=15
+            )
         except AgentServiceError as exc:
             return error_response(503, str(exc), "node_unavailable")
         if isinstance(reply, LogsReply) and not reply.error:
-            return web.json_response({"source": reply.source, "lines": reply.lines or [], "sources": reply.sources},
-                                     dumps=dumps)
+            return json_reply(NodeLogs(source=reply.source, lines=reply.lines or [], sources=reply.sources))
         error = reply.error if reply.error else "the agent answered without logs"
         return error_response(404, error, "no_such_log")
 
@@ -199,12 +259,11 @@ class AdminAPI:
         rec = self.s.reconciler
         models = []
         for e in catalog.models():
-            d = e.to_dict()
+            m = catalog_model(e)
             if rec is not None and e.model.managed:
-                d["status"] = rec.model_status(e.name)
-            models.append(d)
-        return web.json_response({"models": models,
-                                  "problems": list(catalog.problems)}, dumps=dumps)
+                m.status = ModelStatus.model_validate(rec.model_status(e.name))
+            models.append(m)
+        return json_reply(ModelsReply(models=models, problems=list(catalog.problems)))
 
     async def _api_model_add(self, request: web.Request) -> web.Response:
         catalog = self._need_catalog()
@@ -212,15 +271,17 @@ class AdminAPI:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:
             return error_response(400, f"the body is not valid JSON: {exc}", "invalid_json")
-        if not isinstance(body, dict) or not isinstance(body.get("model"), dict):
-            return error_response(400, 'the body should be {"model": {...}, "source_check": true}', "invalid_request")
-        check = self.s.model_check(body["model"].get("profiles")) if body.get("source_check", True) else None
         try:
-            entry = await catalog.add(body["model"], source_check=check)
+            req = ModelAddRequest.model_validate(body)
+        except ValidationError:
+            return error_response(400, 'the body should be {"model": {...}, "source_check": true}', "invalid_request")
+        check = self.s.model_check(req.model.get("profiles") or []) if req.source_check else None
+        try:
+            entry = await catalog.add(req.model, source_check=check)
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
         self.s.models_changed()
-        return web.json_response({"model": entry.to_dict()}, status=201, dumps=dumps)
+        return json_reply(ModelReply(model=catalog_model(entry)), status=201)
 
     async def _api_model_remove(self, request: web.Request) -> web.Response:
         catalog = self._need_catalog()
@@ -229,24 +290,24 @@ class AdminAPI:
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
         self.s.models_changed()
-        return web.json_response({"removed": request.match_info["name"]}, dumps=dumps)
+        return json_reply(Removed(removed=request.match_info["name"]))
 
     async def _api_model_scale(self, request: web.Request) -> web.Response:
         catalog = self._need_catalog()
         try:
-            body = orjson.loads(await request.read())
-            lo, hi = body["min"], body.get("max")
-            if not isinstance(lo, int) or (hi is not None and not isinstance(hi, int)):
-                raise TypeError
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            return error_response(400, 'the body should be {"min": N, "max": M} with whole numbers (max may be left out)',
-                                  "invalid_request")
+            req = ScaleRequest.model_validate(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, ValidationError):
+            return error_response(
+                400,
+                'the body should be {"min": N, "max": M} with whole numbers (max may be left out)',
+                "invalid_request",
+            )
         try:
-            entry = await catalog.scale(request.match_info["name"], lo, hi)
+            entry = await catalog.scale(request.match_info["name"], req.min, req.max)
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
         self.s.models_changed()
-        return web.json_response({"model": entry.to_dict()}, dumps=dumps)
+        return json_reply(ModelReply(model=catalog_model(entry)))
 
     async def _api_model_placement(self, request: web.Request) -> web.Response:
         """Where each profile of a model would go, and why every node was or was not chosen."""
@@ -254,11 +315,15 @@ class AdminAPI:
         assert self.s.agents is not None
         entry = catalog.get(request.match_info["name"])
         if entry is None:
-            return error_response(404, f"no model {request.match_info['name']} in the catalog; llmgw ctl models lists them",
-                                  "model_not_found")
+            return error_response(
+                404,
+                f"no model {request.match_info['name']} in the catalog; llmgw ctl models lists them",
+                "model_not_found",
+            )
         if not entry.model.profiles:
-            return error_response(400, f"{entry.name} is served from static endpoints; nothing is placed",
-                                  "not_managed")
+            return error_response(
+                400, f"{entry.name} is served from static endpoints; nothing is placed", "not_managed"
+            )
         rec = self._need_reconciler()
         views = rec.views({n.node_id: n for n in self.s.agents.nodes()})
         out = []
@@ -266,22 +331,33 @@ class AdminAPI:
             try:
                 req = rec.request_for(entry, profile)
             except ValueError as exc:
-                out.append({"profile": profile.name, "error": str(exc), "nodes": []})
+                out.append(ProfilePlacement(profile=profile.name, error=str(exc), nodes=[]))
                 continue
             verdicts = explain(req, views)
-            out.append({"profile": profile.name, "nodes": [
-                {"node": v.node_id, "chosen": v.chosen, "reasons": v.reasons} for v in verdicts]})
-        return web.json_response({"model": entry.name, "profiles": out}, dumps=dumps)
+            out.append(
+                ProfilePlacement(
+                    profile=profile.name,
+                    nodes=[NodeVerdict(node=v.node_id, chosen=v.chosen, reasons=v.reasons) for v in verdicts],
+                )
+            )
+        return json_reply(PlacementReply(model=entry.name, profiles=out))
 
     async def _api_status(self, request: web.Request) -> web.Response:
         usage = self.s.usage
-        return web.json_response({
-            "version": __version__, "uptime_seconds": round(time.time() - self.s.started_at, 1),
-            "models": len(self.s.config.models), "endpoints": len(self.s.endpoints.endpoints),
-            "ready": self.s.endpoints.any_ready(), "api_keys": len(self.s.keys) if self.s.keys else 0,
-            "auth_enabled": self.s.config.auth.enabled,
-            "usage": {"pending": usage.pending, "written": usage.written, "dropped": usage.dropped} if usage else None,
-        }, dumps=dumps)
+        return json_reply(
+            StatusReply(
+                version=__version__,
+                uptime_seconds=round(time.time() - self.s.started_at, 1),
+                models=len(self.s.config.models),
+                endpoints=len(self.s.endpoints.endpoints),
+                ready=self.s.endpoints.any_ready(),
+                api_keys=len(self.s.keys) if self.s.keys else 0,
+                auth_enabled=self.s.config.auth.enabled,
+                usage=UsageCounts(pending=usage.pending, written=usage.written, dropped=usage.dropped)
+                if usage
+                else None,
+            )
+        )
 
     # -- the mirror ----------------------------------------------------------------
 
@@ -290,13 +366,28 @@ class AdminAPI:
             raise NoMirror()
         return self.s.mirror
 
-    async def _mirror(self, call) -> web.Response | dict:
+    async def _mirror(self, call: Awaitable[dict[str, Any]]) -> web.Response | dict[str, Any]:
         try:
             return await call
         except MirrorRefused as exc:
             return error_response(exc.status if exc.status in (400, 403, 404, 409) else 502, str(exc), "mirror_refused")
         except MirrorUnavailable as exc:
             return error_response(503, str(exc), "mirror_unavailable")
+
+    async def _mirror_as(self, call: Awaitable[dict[str, Any]], shape: type[Shape]) -> web.Response | Shape:
+        """The mirror's answer read as ``shape``; one it cannot be read as is the mirror's fault, like no JSON."""
+        got = await self._mirror(call)
+        if isinstance(got, web.Response):
+            return got
+        try:
+            return shape.model_validate(got)
+        except ValidationError as exc:
+            return error_response(
+                503,
+                f"the mirror at {self._need_mirror().api} answered in a shape this control "
+                f"plane does not read ({_first_error(exc)})",
+                "mirror_unavailable",
+            )
 
     def _users_of(self, model: str, version: str) -> list[str]:
         """Catalog models whose source lies in this mirror version, compared by path."""
@@ -313,49 +404,55 @@ class AdminAPI:
         return out
 
     async def _api_mirror_list(self, request: web.Request) -> web.Response:
-        got = await self._mirror(self._need_mirror().list())
+        got = await self._mirror_as(self._need_mirror().list(), MirrorListing)
         if isinstance(got, web.Response):
             return got
-        for v in got.get("models") or ():
-            if isinstance(v, dict) and v.get("model") and v.get("version"):
-                v["used_by"] = self._users_of(v["model"], v["version"])
-        return web.json_response(got, dumps=dumps)
+        for v in got.models or ():
+            if v.model and v.version:
+                v.used_by = self._users_of(v.model, v.version)
+        return json_reply(got)
 
     async def _api_mirror_fetch(self, request: web.Request) -> web.Response:
         mirror = self._need_mirror()
         try:
-            body = orjson.loads(await request.read())
-            source, model, version = body["source"], body["model"], body["version"]
-            if not all(isinstance(x, str) and x for x in (source, model, version)):
-                raise TypeError
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return error_response(400, 'the body should be {"source": URL, "model": NAME, "version": VERSION} '
-                                  '(and optionally "as": FILE NAME, "anyway": true)', "invalid_request")
-        got = await self._mirror(mirror.fetch(source, model, version, as_name=body.get("as") or None,
-                                              anyway=bool(body.get("anyway"))))
+            req = MirrorFetchRequest.model_validate(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, ValidationError):
+            return error_response(
+                400,
+                'the body should be {"source": URL, "model": NAME, "version": VERSION} '
+                '(and optionally "as": FILE NAME, "anyway": true)',
+                "invalid_request",
+            )
+        got = await self._mirror_as(
+            mirror.fetch(req.source, req.model, req.version, as_name=req.as_ or None, anyway=req.anyway), MirrorVersion
+        )
         if isinstance(got, web.Response):
             return got
-        return web.json_response(got, status=202, dumps=dumps)
+        return json_reply(got, status=202)
 
     async def _api_mirror_status(self, request: web.Request) -> web.Response:
         m, v = request.match_info["model"], request.match_info["version"]
-        got = await self._mirror(self._need_mirror().status(m, v))
+        got = await self._mirror_as(self._need_mirror().status(m, v), MirrorVersion)
         if isinstance(got, web.Response):
             return got
-        got["used_by"] = self._users_of(m, v)
-        return web.json_response(got, dumps=dumps)
+        got.used_by = self._users_of(m, v)
+        return json_reply(got)
 
     async def _api_mirror_remove(self, request: web.Request) -> web.Response:
         mirror = self._need_mirror()
         m, v = request.match_info["model"], request.match_info["version"]
         users = self._users_of(m, v)
         if users and request.query.get("force") not in ("1", "true", "yes"):
-            return error_response(409, f"{', '.join(users)} still refer(s) to {m}/{v}; retire the catalog entry first "
-                                  "(llmgw ctl model remove), or pass --force", "in_use")
+            return error_response(
+                409,
+                f"{', '.join(users)} still refer(s) to {m}/{v}; retire the catalog entry first "
+                "(llmgw ctl model remove), or pass --force",
+                "in_use",
+            )
         got = await self._mirror(mirror.remove(m, v))
         if isinstance(got, web.Response):
             return got
-        return web.json_response({"removed": f"{m}/{v}"}, dumps=dumps)
+        return json_reply(Removed(removed=f"{m}/{v}"))
 
     async def _api_mirror_serve(self, request: web.Request) -> web.Response:
         """Add a catalog model from a present mirror version in one step."""
@@ -363,28 +460,35 @@ class AdminAPI:
         catalog = self._need_catalog()
         m, v = request.match_info["model"], request.match_info["version"]
         try:
-            body = orjson.loads(await request.read() or b"{}")
-            if not isinstance(body, dict):
-                raise TypeError
-        except (orjson.JSONDecodeError, TypeError):
-            return error_response(400, "the body should be a JSON object (name, gpu_class, engine, scaling, description)",
-                                  "invalid_request")
-        listing = await self._mirror(mirror.list())
+            req = MirrorServeRequest.model_validate(orjson.loads(await request.read() or b"{}"))
+        except (orjson.JSONDecodeError, ValidationError):
+            return error_response(
+                400,
+                "the body should be a JSON object (name, gpu_class, engine, scaling, description)",
+                "invalid_request",
+            )
+        listing = await self._mirror_as(mirror.list(), MirrorListing)
         if isinstance(listing, web.Response):
             return listing
-        status = await self._mirror(mirror.status(m, v))
+        status = await self._mirror_as(mirror.status(m, v), MirrorVersion)
         if isinstance(status, web.Response):
             return status
         try:
-            entry = entry_from_version(status, listing.get("base") or "", name=body.get("name"),
-                                       gpu_class=body.get("gpu_class"), engine=body.get("engine"),
-                                       scaling=body.get("scaling"), description=body.get("description"))
+            entry = entry_from_version(
+                status.model_dump(mode="json", exclude_unset=True),
+                listing.base or "",
+                name=req.name,
+                gpu_class=req.gpu_class,
+                engine=req.engine,
+                scaling=req.scaling,
+                description=req.description,
+            )
         except ValueError as exc:
             return error_response(400, str(exc), "refused")
-        check = self.s.model_check(entry["profiles"]) if body.get("source_check", True) else None
+        check = self.s.model_check(entry["profiles"]) if req.source_check else None
         try:
             added = await catalog.add(entry, source_check=check)
         except CatalogError as exc:
             return error_response(400, str(exc), "refused")
         self.s.models_changed()
-        return web.json_response({"model": added.to_dict()}, status=201, dumps=dumps)
+        return json_reply(ModelReply(model=catalog_model(added)), status=201)

@@ -27,18 +27,20 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from llmgw.errors import LlmgwError
 from llmgw.pki import check_claim
 from llmgw.protocol import (
     FEATURE_DRAIN,
     FEATURE_LOGS,
     FEATURE_REMOVE_WEIGHTS,
+    IMEX,
+    STREAM_PATH,
     Ack,
     DrainShard,
     FabricAttachment,
     GPUUsage,
     Heartbeat,
     IBPort,
-    IMEX,
     LocalWeights,
     LogsReply,
     LogsRequest,
@@ -61,9 +63,6 @@ from llmgw.protocol import (
 
 log = logging.getLogger("llmgw.server.control.agents")
 
-# Must equal llmgw.agent.client.STREAM_PATH; defined again here because the
-# server does not import the agent's internals (they share only protocol).
-STREAM_PATH = "/v1/agent/stream"
 # Carries the reason of a stream refused before the upgrade (a standby).
 REFUSAL_HEADER = "X-Llmgw-Refusal"
 
@@ -85,7 +84,7 @@ class NodeState(StrEnum):
     LOST = "lost"  # no heartbeat for lost_after: its replicas are placed elsewhere
 
 
-class AgentServiceError(Exception):
+class AgentServiceError(LlmgwError):
     """A command that cannot reach a node, or a node operation refused; the message says why."""
 
 
@@ -107,7 +106,7 @@ Identity = Callable[[web.Request], "str | None"]
 def _utc(ts: float | None) -> str:
     if ts is None:
         return "never"
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 @dataclass
@@ -288,7 +287,7 @@ class AgentService:
                 raise NotConnected(f"node {node_id}: the stream broke while sending {msg.TYPE}: {exc}") from None
             try:
                 return await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestTimeout(
                     f"node {node_id} did not answer {msg.TYPE} (id {rid}) within {timeout:g}s"
                 ) from None
@@ -301,8 +300,10 @@ class AgentService:
         if node is None:
             raise AgentServiceError(f"no node named {node_id} is known")
         if node_id in self._conns:
-            raise AgentServiceError(f"node {node_id} is {node.state.value} and its agent is connected; "
-                                    "stop the agent first, then remove the node once it is lost")
+            raise AgentServiceError(
+                f"node {node_id} is {node.state.value} and its agent is connected; "
+                "stop the agent first, then remove the node once it is lost"
+            )
         if node.state != NodeState.LOST:
             since = f" (last heartbeat {_utc(node.last_seen)})" if node.state != NodeState.READY else ""
             raise AgentServiceError(
@@ -320,8 +321,9 @@ class AgentService:
             if node is None:
                 raise NotConnected(f"node {node_id} is not connected (no agent with this id has registered)")
             if node.state != NodeState.READY:
-                raise NotConnected(f"node {node_id} is not connected ({node.state.value} since "
-                                   f"{_utc(node.unreachable_since)})")
+                raise NotConnected(
+                    f"node {node_id} is not connected ({node.state.value} since {_utc(node.unreachable_since)})"
+                )
             raise NotConnected(f"node {node_id} is not connected (its stream closed at {_utc(node.disconnected_at)})")
         feature = _FEATURE_OF.get(type(msg))
         if feature is not None:
@@ -382,7 +384,7 @@ class AgentService:
     async def _read_register(self, ws: web.WebSocketResponse) -> Register | None:
         try:
             frame = await ws.receive(timeout=self.register_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._refuse(ws, None, f"no register message within {self.register_timeout:g}s")
             return None
         if frame.type not in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
@@ -529,13 +531,21 @@ class AgentService:
                 self._drop_shard(node, sid)
         for rs in reported.values():
             if rs.state is not None:
-                self._apply_shard(node, ShardStatus(shard_id=rs.shard_id, replica_id=rs.replica_id,
-                                                    state=rs.state, pid=rs.pid))
+                self._apply_shard(
+                    node, ShardStatus(shard_id=rs.shard_id, replica_id=rs.replica_id, state=rs.state, pid=rs.pid)
+                )
         state_before = node.state
         self._seen(node)
         gpus = len(reg.inventory.gpus or ()) if reg.inventory else 0
-        log.info("node %s registered from %s (agent %s, protocol %s, %d GPU(s), %d shard(s) running)",
-                 reg.node_id, remote, reg.agent_version or "unknown", reg.protocol_version, gpus, len(reported))
+        log.info(
+            "node %s registered from %s (agent %s, protocol %s, %d GPU(s), %d shard(s) running)",
+            reg.node_id,
+            remote,
+            reg.agent_version or "unknown",
+            reg.protocol_version,
+            gpus,
+            len(reported),
+        )
         if not was_ready and state_before == NodeState.READY:
             log.info("node %s is ready; it can take new work", reg.node_id)
         self._log_gains(node, before_engines, before_mem)
@@ -550,8 +560,7 @@ class AgentService:
         before_mem = _total_mem(node)
         self._seen(node)
         # Re-read every time; None is "not reported this time", so the last value stays.
-        for name in ("memory", "load", "storage", "gpus", "ib_ports", "imex", "fabrics", "weights",
-                     "engine_versions"):
+        for name in ("memory", "load", "storage", "gpus", "ib_ports", "imex", "fabrics", "weights", "engine_versions"):
             value = getattr(hb, name)
             if value is not None:
                 setattr(node, name, value)
@@ -575,8 +584,11 @@ class AgentService:
             # The same state again is progress or a repeat, not a transition. A
             # heartbeat repeats states without fetch progress or output, so what
             # the repeat leaves out is kept.
-            keep = {k: getattr(prev, k) for k in ("replica_id", "output_tail", "fetch", "reason", "pid")
-                    if getattr(st, k) is None and getattr(prev, k) is not None}
+            keep = {
+                k: getattr(prev, k)
+                for k in ("replica_id", "output_tail", "fetch", "reason", "pid")
+                if getattr(st, k) is None and getattr(prev, k) is not None
+            }
             merged = st.model_copy(update=keep) if keep else st
             node.shards[st.shard_id] = merged
             if merged.model_dump() != prev.model_dump():
@@ -604,13 +616,19 @@ class AgentService:
         # "The node now qualifies" explains a placement that happens late.
         for engine in sorted(node.ready_engines() - before_engines):
             version = (node.engine_versions or {}).get(engine) or (
-                node.provision[engine].version if engine in node.provision else None)
-            log.info("node %s now has %s%s ready; it qualifies for models that need it", node.node_id, engine,
-                     f" {version}" if version else "")
+                node.provision[engine].version if engine in node.provision else None
+            )
+            log.info(
+                "node %s now has %s%s ready; it qualifies for models that need it",
+                node.node_id,
+                engine,
+                f" {version}" if version else "",
+            )
         after_mem = _total_mem(node)
         if before_mem is not None and after_mem is not None and after_mem > before_mem:
-            log.info("node %s now has %.1f GiB of memory (was %.1f GiB)", node.node_id,
-                     after_mem / 2**30, before_mem / 2**30)
+            log.info(
+                "node %s now has %.1f GiB of memory (was %.1f GiB)", node.node_id, after_mem / 2**30, before_mem / 2**30
+            )
 
     # -- liveness ---------------------------------------------------------------
 
@@ -628,8 +646,9 @@ class AgentService:
         if self.leadership is not None and self._conns and not self.leadership.is_leader():
             log.warning("no longer the leader; closing %d agent stream(s)", len(self._conns))
             for conn in list(self._conns.values()):
-                await conn.ws.close(code=_CLOSE_GOING_AWAY,
-                                    message=b"this control plane is now a standby; connect to the leader")
+                await conn.ws.close(
+                    code=_CLOSE_GOING_AWAY, message=b"this control plane is now a standby; connect to the leader"
+                )
         now = time.monotonic() if now is None else now
         for node in self._nodes.values():
             age = now - node._seen_mono
@@ -637,13 +656,21 @@ class AgentService:
                 if node.unreachable_since is None:
                     node.unreachable_since = time.time()
                 node.state = NodeState.LOST
-                log.warning("node %s is lost: no heartbeat for %.0fs (last %s); its work is placed elsewhere",
-                            node.node_id, age, _utc(node.last_seen))
+                log.warning(
+                    "node %s is lost: no heartbeat for %.0fs (last %s); its work is placed elsewhere",
+                    node.node_id,
+                    age,
+                    _utc(node.last_seen),
+                )
             elif self.unreachable_after <= age < self.lost_after and node.state == NodeState.READY:
                 node.state = NodeState.UNREACHABLE
                 node.unreachable_since = time.time()
-                log.warning("node %s is unreachable: no heartbeat for %.0fs (last %s); nothing new is placed there",
-                            node.node_id, age, _utc(node.last_seen))
+                log.warning(
+                    "node %s is unreachable: no heartbeat for %.0fs (last %s); nothing new is placed there",
+                    node.node_id,
+                    age,
+                    _utc(node.last_seen),
+                )
 
 
 def _total_mem(node: Node) -> int | None:

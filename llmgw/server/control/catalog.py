@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from llmgw.config.errors import ConfigError, format_validation_error
 from llmgw.config.loading import read_yaml
 from llmgw.config.server import ModelConfig, source_kind
+from llmgw.errors import LlmgwError
 from llmgw.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ SOURCE_CHECK_TIMEOUT_S = 10.0
 MANIFEST_MAX_BYTES = 4 << 20
 
 
-class CatalogError(Exception):
+class CatalogError(LlmgwError):
     """A catalog change was refused; nothing was changed. The message says why."""
 
 
@@ -71,8 +72,10 @@ class CatalogEntry:
 
 def _validate(data: Any, source: str) -> ModelConfig:
     if not isinstance(data, dict):
-        raise CatalogError(f"{source}: a model should be a mapping of keys (name:, source:, profiles: ...), "
-                           f"not a {type(data).__name__}")
+        raise CatalogError(
+            f"{source}: a model should be a mapping of keys (name:, source:, profiles: ...), "
+            f"not a {type(data).__name__}"
+        )
     try:
         return ModelConfig.model_validate(data)
     except ValidationError as exc:
@@ -80,8 +83,9 @@ def _validate(data: Any, source: str) -> ModelConfig:
 
 
 def _spec_json(model: ModelConfig) -> str:
-    return json.dumps(model.model_dump(mode="json", exclude_none=True), sort_keys=True,
-                      separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(
+        model.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
 
 
 def load_model_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -89,8 +93,10 @@ def load_model_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     JSON-ready mapping for the admin API. Raises ConfigError naming the file and key."""
     data = read_yaml(path, "model file")
     if isinstance(data, dict) and set(data) == {"models"}:
-        raise ConfigError(f"{path}: holds a models: list; a model file holds one model's keys "
-                          "(name:, source:, profiles: ...) at the top level")
+        raise ConfigError(
+            f"{path}: holds a models: list; a model file holds one model's keys "
+            "(name:, source:, profiles: ...) at the top level"
+        )
     try:
         model = _validate(data, str(path))
     except CatalogError as exc:
@@ -131,12 +137,13 @@ class Catalog:
             clash = next((n for n in [model.name, *model.aliases] if n in taken), None)
             if clash is not None:
                 # server.yaml was edited to declare a name a run-time model already had.
-                problems.append(f'{where}: "{clash}" is also {taken[clash]} in server.yaml, which wins; '
-                                f"remove it with `llmgw ctl model remove {row.name}`")
+                problems.append(
+                    f'{where}: "{clash}" is also {taken[clash]} in server.yaml, which wins; '
+                    f"remove it with `llmgw ctl model remove {row.name}`"
+                )
                 unusable.add(row.name)
                 continue
-            stored[row.name] = CatalogEntry(model, declared=False, created_at=row.created_at,
-                                            updated_at=row.updated_at)
+            stored[row.name] = CatalogEntry(model, declared=False, created_at=row.created_at, updated_at=row.updated_at)
         self._stored, self.problems, self._unusable = stored, problems, unusable
         for p in problems:
             log.warning("catalog: %s", p)
@@ -163,8 +170,10 @@ class Catalog:
 
     def _writable(self, name: str, verb: str) -> CatalogEntry:
         if name in self._declared:
-            raise CatalogError(f"{name} is declared in server.yaml; change it there "
-                               f"(server.yaml is re-read on every start, so a {verb} here would revert)")
+            raise CatalogError(
+                f"{name} is declared in server.yaml; change it there "
+                f"(server.yaml is re-read on every start, so a {verb} here would revert)"
+            )
         entry = self._stored.get(name)
         if entry is None:
             aliased = self.get(name)
@@ -175,8 +184,9 @@ class Catalog:
 
     def _need_store(self) -> Store:
         if self._store is None:
-            raise CatalogError("this server has no store, so models cannot be added at run time; "
-                               "declare them in server.yaml")
+            raise CatalogError(
+                "this server has no store, so models cannot be added at run time; declare them in server.yaml"
+            )
         return self._store
 
     async def add(self, data: dict[str, Any], source_check: SourceCheck | None = None) -> CatalogEntry:
@@ -195,7 +205,9 @@ class Catalog:
             for i, n in enumerate(own):
                 where = "name" if i == 0 else f"aliases[{i - 1}]"
                 if n in taken:
-                    raise CatalogError(f'model: {where}: "{n}" is already {taken[n]}; every name and alias must be unique')
+                    raise CatalogError(
+                        f'model: {where}: "{n}" is already {taken[n]}; every name and alias must be unique'
+                    )
                 if n in own[:i]:
                     raise CatalogError(f'model: {where}: "{n}" is given twice')
             row = await store.catalog_put(model.name, _spec_json(model))
@@ -218,7 +230,7 @@ class Catalog:
             self._stored.pop(name, None)
         return entry
 
-    async def scale(self, name: str, min: int, max: int | None = None) -> CatalogEntry:  # noqa: A002
+    async def scale(self, name: str, min: int, max: int | None = None) -> CatalogEntry:
         """Change only the scaling block; `max` left out follows the scaling rules
         (the same as min, or 1 when min is 0). Returns the entry with the scaling in force."""
         store = self._need_store()
@@ -226,7 +238,9 @@ class Catalog:
             await self.load()
             entry = self._writable(name, "scale")
             if not entry.model.managed:
-                raise CatalogError(f"{name} has no profiles: its endpoints run outside llmgw, so there is nothing to scale")
+                raise CatalogError(
+                    f"{name} has no profiles: its endpoints run outside llmgw, so there is nothing to scale"
+                )
             data = entry.model.model_dump(mode="json", exclude_none=True)
             scaling: dict[str, Any] = {"min": min, "idle_timeout": entry.model.scaling.idle_timeout}
             if max is not None:
@@ -245,9 +259,13 @@ def hf_file_url(source: str, hf_endpoint: str = HF_ENDPOINT) -> str:
     return f"{hf_endpoint.rstrip('/')}/{'/'.join(repo_file[:2])}/resolve/main/{quote('/'.join(repo_file[2:]))}"
 
 
-async def check_source(source: str, *, timeout: float = SOURCE_CHECK_TIMEOUT_S,
-                       hf_endpoint: str = HF_ENDPOINT,
-                       transport: httpx.AsyncBaseTransport | None = None) -> str | None:
+async def check_source(
+    source: str,
+    *,
+    timeout: float = SOURCE_CHECK_TIMEOUT_S,
+    hf_endpoint: str = HF_ENDPOINT,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> str | None:
     """None when the source looks servable, else why not. A URL gets a HEAD (a set URL
     ending in / a GET of its manifest), a local path must exist here, a bare model id is
     left to vLLM/SGLang."""
@@ -287,8 +305,10 @@ async def _check_manifest(client: httpx.AsyncClient, source: str) -> str | None:
     try:
         data = json.loads(body)
     except ValueError:
-        return (f"{source} did not answer with a manifest; a source ending in / has to be a mirror "
-                "version, not a directory listing")
+        return (
+            f"{source} did not answer with a manifest; a source ending in / has to be a mirror "
+            "version, not a directory listing"
+        )
     if not isinstance(data, dict) or not isinstance(data.get("files"), list) or not data["files"]:
         return f'{source}: the manifest lists no files (expected {{"files": [{{"name": ..., "bytes": N}}]}})'
     return None

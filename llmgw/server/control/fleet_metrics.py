@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from llmgw.server.control.agents import NodeState
 from llmgw.server.control.placement import gpu_class_of
-# Every replica state, so llmgw_replicas{state} lists each one, 0 when none.
-from llmgw.server.control.reconciler import REPLICA_STATES
+from llmgw.server.control.reconciler import NodeMark, ReplicaState
 
 if TYPE_CHECKING:
     from llmgw.protocol import GPU, GPUUsage, IBPort
@@ -29,12 +29,12 @@ STALE_AFTER = 60.0
 
 class ReplicaLike(Protocol):
     model: str
-    state: str
+    state: ReplicaState
     node_ids: list[str]
 
 
 Replicas = Callable[[], Iterable[ReplicaLike]]
-NodeMarks = Callable[[], Mapping[str, str]]  # node id -> "cordoned" or "draining"
+NodeMarks = Callable[[], Mapping[str, NodeMark]]  # node id -> its mark
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -46,7 +46,7 @@ class FleetCollector:
 
     def __init__(
         self,
-        agents: "AgentService",
+        agents: AgentService,
         replicas: Replicas,
         node_marks: NodeMarks | None = None,
         *,
@@ -70,13 +70,12 @@ class FleetCollector:
 
     # -- nodes ----------------------------------------------------------------
 
-    def _node(self, f: "_Families", node: "Node", mark: str | None, now: float) -> None:
+    def _node(self, f: _Families, node: Node, mark: NodeMark | None, now: float) -> None:
         nid = node.node_id
-        state = node.state.value
-        takes_work = state == "ready" and mark is None
-        if state == "ready" and mark is not None:
-            state = mark
-        f.up.add_metric([nid, state], 1.0 if takes_work else 0.0)
+        ready = node.state is NodeState.READY
+        # An unreachable node says so, marked or not.
+        state = mark if ready and mark is not None else node.state
+        f.up.add_metric([nid, state.value], 1.0 if ready and mark is None else 0.0)
         if node.last_seen is None:
             return
         age = max(0.0, now - node.last_seen)
@@ -133,8 +132,10 @@ class FleetCollector:
             ports = [p for hca in inv.adapters or () for p in hca.ports or ()]
         for p in ports:
             if p.state is not None:
-                f.ib_active.add_metric([nid, p.hca, str(p.port), p.state, p.phys_state or ""],
-                                       1.0 if p.state.strip().upper() == "ACTIVE" else 0.0)
+                f.ib_active.add_metric(
+                    [nid, p.hca, str(p.port), p.state, p.phys_state or ""],
+                    1.0 if p.state.strip().upper() == "ACTIVE" else 0.0,
+                )
             if p.rate_gbps is not None:
                 f.ib_rate.add_metric([nid, p.hca, str(p.port)], p.rate_gbps)
 
@@ -142,7 +143,7 @@ class FleetCollector:
             f.provision.add_metric([nid, engine, st.state.value], 1.0)
 
     @staticmethod
-    def _gpus(f: "_Families", nid: str, gpus: "list[GPU]", usage_list: "list[GPUUsage] | None") -> None:
+    def _gpus(f: _Families, nid: str, gpus: list[GPU], usage_list: list[GPUUsage] | None) -> None:
         usage = {u.index: u for u in usage_list or ()}
         by_class: dict[str, int] = {}
         for g in gpus:
@@ -168,18 +169,21 @@ class FleetCollector:
     # -- replicas -------------------------------------------------------------
 
     def _replica_families(self) -> Iterable[Metric]:
-        by_state = dict.fromkeys(REPLICA_STATES, 0)
+        # Every state, so llmgw_replicas{state} lists each one, 0 when none.
+        by_state = dict.fromkeys(ReplicaState, 0)
         ready: dict[str, int] = {}
         for r in self._replicas():
-            state = str(r.state)
-            by_state[state] = by_state.get(state, 0) + 1
-            ready[r.model] = ready.get(r.model, 0) + (1 if state == "ready" else 0)
+            by_state[r.state] += 1
+            ready[r.model] = ready.get(r.model, 0) + (1 if r.state is ReplicaState.READY else 0)
         fam = _gauge("llmgw_replicas", "Replicas by state.", ["state"])
         for state, n in by_state.items():
-            fam.add_metric([state], n)
+            fam.add_metric([state.value], n)
         yield fam
-        fam = _gauge("llmgw_model_replicas_ready",
-                     "Ready replicas of a model; present only for models with a replica placed.", ["model"])
+        fam = _gauge(
+            "llmgw_model_replicas_ready",
+            "Ready replicas of a model; present only for models with a replica placed.",
+            ["model"],
+        )
         for model, n in sorted(ready.items()):
             fam.add_metric([model], n)
         yield fam
@@ -191,29 +195,49 @@ class _Families:
     def __init__(self) -> None:
         n = ["node"]
         g = ["node", "gpu"]
-        self.up = _gauge("llmgw_node_up", "1 when the node takes work: ready, not cordoned or draining.", ["node", "state"])
-        self.last_seen = _gauge("llmgw_node_last_seen_seconds", "Seconds since the node's last message (heartbeats every 5 s).", n)
+        self.up = _gauge(
+            "llmgw_node_up", "1 when the node takes work: ready, not cordoned or draining.", ["node", "state"]
+        )
+        self.last_seen = _gauge(
+            "llmgw_node_last_seen_seconds", "Seconds since the node's last message (heartbeats every 5 s).", n
+        )
         self.mem_total = _gauge("llmgw_node_memory_bytes", "Main memory.", n)
-        self.mem_used = _gauge("llmgw_node_memory_used_bytes", "Memory a new process could not have without evicting something.", n)
-        self.mem_avail = _gauge("llmgw_node_memory_available_bytes", "Memory available to new processes (MemAvailable).", n)
-        self.cpu_util = _gauge("llmgw_node_cpu_utilization_percent", "Whole-machine CPU use since the previous heartbeat, 0-100.", n)
+        self.mem_used = _gauge(
+            "llmgw_node_memory_used_bytes", "Memory a new process could not have without evicting something.", n
+        )
+        self.mem_avail = _gauge(
+            "llmgw_node_memory_available_bytes", "Memory available to new processes (MemAvailable).", n
+        )
+        self.cpu_util = _gauge(
+            "llmgw_node_cpu_utilization_percent", "Whole-machine CPU use since the previous heartbeat, 0-100.", n
+        )
         self.cpus = _gauge("llmgw_node_cpus", "Logical CPUs.", n)
         self.load = _gauge("llmgw_node_load", "Load average over the window.", ["node", "window"])
         self.shard_cpu = _gauge("llmgw_shard_cpu_cores", "CPU cores an engine's process group uses.", ["node", "shard"])
-        self.shard_mem = _gauge("llmgw_shard_memory_bytes", "Resident memory of an engine's process group.", ["node", "shard"])
+        self.shard_mem = _gauge(
+            "llmgw_shard_memory_bytes", "Resident memory of an engine's process group.", ["node", "shard"]
+        )
         self.disk_free = _gauge("llmgw_node_disk_free_bytes", "Free space on the node's own weights filesystem.", n)
         self.disk_total = _gauge("llmgw_node_disk_total_bytes", "Size of the node's own weights filesystem.", n)
         self.gpus = _gauge("llmgw_node_gpus", "GPUs on the node, by class.", ["node", "gpu_class"])
-        self.gpu_healthy = _gauge("llmgw_gpu_healthy", "0 when the card is kept out of placement (problems or uncorrected ECC errors).", g)
-        self.gpu_util = _gauge("llmgw_gpu_utilization_percent", "GPU utilisation; absent when the driver does not report it.", g)
+        self.gpu_healthy = _gauge(
+            "llmgw_gpu_healthy", "0 when the card is kept out of placement (problems or uncorrected ECC errors).", g
+        )
+        self.gpu_util = _gauge(
+            "llmgw_gpu_utilization_percent", "GPU utilisation; absent when the driver does not report it.", g
+        )
         self.nvlink_peers = _gauge("llmgw_gpu_nvlink_peers", "GPUs this card reaches over NVLink.", g)
         self.nvlink_joined = _gauge("llmgw_gpu_nvlink_joined", "0 when the card has not joined its NVLink domain.", g)
         self.imex = _gauge("llmgw_imex_up", "1 when nvidia-imex is active.", n)
-        self.ib_active = _gauge("llmgw_ib_port_active", "1 when the InfiniBand/RoCE port is ACTIVE.",
-                                ["node", "hca", "port", "state", "phys_state"])
+        self.ib_active = _gauge(
+            "llmgw_ib_port_active",
+            "1 when the InfiniBand/RoCE port is ACTIVE.",
+            ["node", "hca", "port", "state", "phys_state"],
+        )
         self.ib_rate = _gauge("llmgw_ib_port_rate_gbps", "Link rate of the port.", ["node", "hca", "port"])
-        self.provision = _gauge("llmgw_node_provision", "1 for each engine's provisioning state on the node.",
-                                ["node", "engine", "state"])
+        self.provision = _gauge(
+            "llmgw_node_provision", "1 for each engine's provisioning state on the node.", ["node", "engine", "state"]
+        )
 
     def all(self) -> Iterable[Metric]:
         return list(vars(self).values())

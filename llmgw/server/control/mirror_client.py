@@ -15,6 +15,7 @@ from urllib.parse import quote
 import aiohttp
 
 from llmgw.config.server import MirrorConfig
+from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError, read_secret_file
 from llmgw.pki import PKIError, client_context
 
@@ -26,11 +27,11 @@ MEMORY_OVERHEAD_GB = 2.0
 _WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 
 
-class MirrorUnavailable(Exception):
+class MirrorUnavailable(LlmgwError):
     """The mirror could not be asked (not configured, unreachable, bad certificate)."""
 
 
-class MirrorRefused(Exception):
+class MirrorRefused(LlmgwError):
     """The mirror answered with a refusal; ``status`` is its HTTP status."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -68,11 +69,15 @@ class MirrorClient:
                     except ValueError:
                         data = None
         except aiohttp.ClientConnectorCertificateError as exc:
-            raise MirrorUnavailable(f"the mirror at {self.api} presented a certificate that does not verify "
-                                    f"against mirror.tls.ca: {exc.certificate_error}") from None
+            raise MirrorUnavailable(
+                f"the mirror at {self.api} presented a certificate that does not verify "
+                f"against mirror.tls.ca: {exc.certificate_error}"
+            ) from None
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise MirrorUnavailable(f"the mirror at {self.api} cannot be reached: "
-                                    f"{exc or type(exc).__name__}; check mirror.api in server.yaml") from None
+            raise MirrorUnavailable(
+                f"the mirror at {self.api} cannot be reached: "
+                f"{exc or type(exc).__name__}; check mirror.api in server.yaml"
+            ) from None
         if resp.status >= 400:
             message = None
             if isinstance(data, dict) and isinstance(data.get("error"), dict):
@@ -85,8 +90,9 @@ class MirrorClient:
     async def list(self) -> dict:
         return await self._call("GET", "/v1/models")
 
-    async def fetch(self, source: str, model: str, version: str, *, as_name: str | None = None,
-                    anyway: bool = False) -> dict:
+    async def fetch(
+        self, source: str, model: str, version: str, *, as_name: str | None = None, anyway: bool = False
+    ) -> dict:
         body: dict[str, Any] = {"source": source, "model": model, "version": version}
         if as_name:
             body["as"] = as_name
@@ -101,9 +107,16 @@ class MirrorClient:
         return await self._call("DELETE", f"/v1/models/{quote(model, safe='')}/{quote(version, safe='')}")
 
 
-def entry_from_version(version: dict, base: str, *, name: str | None = None, gpu_class: str | None = None,
-                       engine: str | None = None, scaling: dict | None = None,
-                       description: str | None = None) -> dict:
+def entry_from_version(
+    version: dict,
+    base: str,
+    *,
+    name: str | None = None,
+    gpu_class: str | None = None,
+    engine: str | None = None,
+    scaling: dict | None = None,
+    description: str | None = None,
+) -> dict:
     """A catalog entry (as a model file would hold it) for a present mirror version:
     the engine from the file type, the source, and a memory estimate. Raises
     ValueError, in words, when the version cannot be served as it is."""
@@ -120,8 +133,10 @@ def entry_from_version(version: dict, base: str, *, name: str | None = None, gpu
     if engine is None:
         engine = "llamacpp" if ggufs else "vllm"
     if engine != "llamacpp" and gpu_class is None:
-        raise ValueError(f"{model}/{ver} holds safetensors weights, which {engine} serves on GPUs: "
-                         "give the GPU class (e.g. --gpu-class h100-80g)")
+        raise ValueError(
+            f"{model}/{ver} holds safetensors weights, which {engine} serves on GPUs: "
+            "give the GPU class (e.g. --gpu-class h100-80g)"
+        )
     root = f"{base.rstrip('/')}/{quote(model, safe='')}/{quote(ver, safe='')}/"
     # One file: its own URL; several (a shard set, or weights with their config): the version.
     source = root + quote(files[0]["name"], safe="") if len(files) == 1 else root

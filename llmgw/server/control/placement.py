@@ -97,7 +97,7 @@ class Claims:
 @dataclass(frozen=True)
 class NodeView:
     node_id: str
-    state: str = NodeState.READY.value
+    state: NodeState = NodeState.READY
     cordoned: bool = False
     draining: bool = False
     engines: Mapping[str, str] = field(default_factory=dict)  # ready engine -> version ("" unknown)
@@ -139,7 +139,9 @@ class NodeView:
         taken = set(gpus)
         new_gpus = tuple(dataclasses.replace(g, free=False) if g.index in taken else g for g in self.gpus)
         return dataclasses.replace(
-            self, gpus=new_gpus, memory_claimed_gb=self.memory_claimed_gb + (memory_gb or 0.0),
+            self,
+            gpus=new_gpus,
+            memory_claimed_gb=self.memory_claimed_gb + (memory_gb or 0.0),
             replicas=self.replicas + 1,
         )
 
@@ -221,7 +223,7 @@ def node_view(
 
     return NodeView(
         node_id=node.node_id,
-        state=node.state.value,
+        state=node.state,
         cordoned=cordoned,
         draining=draining,
         engines=engines,
@@ -277,6 +279,27 @@ class NodeVerdict:
 
 
 @dataclass(frozen=True)
+class PlacementGroup:
+    """Where a multi-node replica may form: one NVLink domain, or one declared fabric."""
+
+    name: str  # the domain (cluster/clique) or the fabric's name
+    nvlink: bool = False  # an NVLink domain, preferred; else a declared fabric
+
+    def __str__(self) -> str:
+        return f"nvlink domain {self.name}" if self.nvlink else f"fabric {self.name}"
+
+    def adapters(self, v: NodeView) -> tuple[str, ...]:
+        """The node's adapters NCCL is given: the fabric's; none inside an NVLink domain."""
+        return () if self.nvlink else tuple(v.fabrics.get(self.name, ()))
+
+
+def _groups_of(v: NodeView) -> list[PlacementGroup]:
+    out = [PlacementGroup(v.nvlink_domain, nvlink=True)] if v.nvlink_domain else []
+    out += [PlacementGroup(f) for f in v.fabrics]
+    return out
+
+
+@dataclass(frozen=True)
 class Placement:
     nodes: list[tuple[str, tuple[int, ...]]]  # (node id, GPU indexes), rank 0 first
     explanation: str
@@ -324,76 +347,87 @@ def _holds_weights(view: NodeView, source: str | None) -> bool:
     return bool(tail) and any(w.rstrip("/").rsplit("/", 1)[-1] == tail for w in view.weights)
 
 
-def _fits(v: NodeView, r: PlacementRequest) -> bool:
-    """The filters as one fast yes/no; ``_refusals`` says why for a no."""
-    if v.state != "ready" or v.cordoned or v.draining:
-        return False
+def _fits(v: NodeView, r: PlacementRequest, why: list[str] | None = None) -> bool:
+    """Whether the node passes every filter; each filter is written here, once.
+
+    Without ``why``: the yes/no alone, ending at the first refusal without
+    building its words (placing asks this of every node for every request, and
+    a call per filter would cost more than the filters). With a list: every
+    filter runs and appends its refusal to it in words (see ``_refusals``).
+    """
+    nid = v.node_id
+    if v.state is not NodeState.READY:
+        if why is None:
+            return False
+        why.append(f"{nid} is {v.state}")
+    if v.cordoned:
+        if why is None:
+            return False
+        why.append(f"{nid} is cordoned")
+    if v.draining:
+        if why is None:
+            return False
+        why.append(f"{nid} is draining")
     if v.engines_probed and r.engine not in v.engines:
-        return False
-    if r.gpu_class and len(v.free_by_class.get(r.gpu_class, ())) < r.tp:
-        return False
-    if r.min_memory_gb and v.memory_total_gb is not None:
-        if v.memory_total_gb - v.memory_claimed_gb < r.min_memory_gb:
+        if why is None:
             return False
-    if r.disk_gb and v.disk_free_gb is not None and v.disk_free_gb < r.disk_gb:
-        if not _holds_weights(v, r.source):
+        if r.engine in v.provision:
+            why.append(f"{nid} cannot run {r.engine} yet: {v.provision[r.engine]}")
+        else:
+            why.append(f"{nid} does not have {r.engine} installed")
+    if r.gpu_class and (free := len(v.free_by_class.get(r.gpu_class, ()))) < r.tp:
+        if why is None:
             return False
+        why.append(_gpu_refusal(v, r, free))
+    if (
+        r.min_memory_gb
+        and v.memory_total_gb is not None
+        and (avail := v.memory_total_gb - v.memory_claimed_gb) < r.min_memory_gb
+    ):
+        if why is None:
+            return False
+        claimed = (
+            f" ({_n(v.memory_claimed_gb)} of {_n(v.memory_total_gb)} claimed by other replicas)"
+            if v.memory_claimed_gb
+            else ""
+        )
+        why.append(f"{nid} has {_n(max(avail, 0))} GB of memory, needs {_n(r.min_memory_gb)}{claimed}")
+    if r.disk_gb and v.disk_free_gb is not None and v.disk_free_gb < r.disk_gb and not _holds_weights(v, r.source):
+        if why is None:
+            return False
+        why.append(f"{nid} has {_n(v.disk_free_gb)} GB free for weights, needs {_n(r.disk_gb)}")
     for k, want in r.node_selector.items():
-        if v.labels.get(k) != want:
-            return False
-    return True
+        if (have := v.labels.get(k)) != want:
+            if why is None:
+                return False
+            it_has = f" (it has {k}={have})" if have is not None else ""
+            why.append(f"{nid} lacks label {k}={want}{it_has}")
+    return not why
+
+
+def _gpu_refusal(v: NodeView, r: PlacementRequest, free: int) -> str:
+    """Why fewer than ``tp`` cards of the class are free: none of the class, held, or unhealthy."""
+    of_class = [g for g in v.gpus if g.gpu_class == r.gpu_class]
+    if not of_class:
+        classes = sorted({g.gpu_class for g in v.gpus})
+        has = f" (it has {', '.join(classes)})" if classes else " (it has no GPUs)"
+        return f"{v.node_id} has no {r.gpu_class} GPUs{has}"
+    held = sum(1 for g in of_class if not g.free)
+    bad = [g for g in of_class if not g.healthy]
+    parts = []
+    if held:
+        parts.append(f"{held} held by other replicas")
+    if bad:
+        parts.append("unhealthy: " + "; ".join(f"GPU {g.index} {', '.join(g.problems)}" for g in bad))
+    suffix = f" ({'; '.join(parts)})" if parts else ""
+    return f"{v.node_id} has {free} free {r.gpu_class} GPUs, needs {r.tp}{suffix}"
 
 
 def _refusals(v: NodeView, r: PlacementRequest) -> list[str]:
     """Every filter this node fails, in words; empty when it fits."""
-    out: list[str] = []
-    nid = v.node_id
-    if v.state != "ready":
-        out.append(f"{nid} is {v.state}")
-    if v.cordoned:
-        out.append(f"{nid} is cordoned")
-    if v.draining:
-        out.append(f"{nid} is draining")
-    if v.engines_probed and r.engine not in v.engines:
-        if r.engine in v.provision:
-            out.append(f"{nid} cannot run {r.engine} yet: {v.provision[r.engine]}")
-        else:
-            out.append(f"{nid} does not have {r.engine} installed")
-    if r.gpu_class:
-        free = len(v.free_by_class.get(r.gpu_class, ()))
-        of_class = [g for g in v.gpus if g.gpu_class == r.gpu_class]
-        if not of_class:
-            classes = sorted({g.gpu_class for g in v.gpus})
-            has = f" (it has {', '.join(classes)})" if classes else " (it has no GPUs)"
-            out.append(f"{nid} has no {r.gpu_class} GPUs{has}")
-        elif free < r.tp:
-            held = sum(1 for g in of_class if not g.free)
-            bad = [g for g in of_class if not g.healthy]
-            why = []
-            if held:
-                why.append(f"{held} held by other replicas")
-            if bad:
-                why.append("unhealthy: " + "; ".join(f"GPU {g.index} {', '.join(g.problems)}" for g in bad))
-            suffix = f" ({'; '.join(why)})" if why else ""
-            out.append(f"{nid} has {free} free {r.gpu_class} GPUs, needs {r.tp}{suffix}")
-    if r.min_memory_gb and v.memory_total_gb is not None:
-        avail = v.memory_total_gb - v.memory_claimed_gb
-        if avail < r.min_memory_gb:
-            claimed = (
-                f" ({_n(v.memory_claimed_gb)} of {_n(v.memory_total_gb)} claimed by other replicas)"
-                if v.memory_claimed_gb
-                else ""
-            )
-            out.append(f"{nid} has {_n(max(avail, 0))} GB of memory, needs {_n(r.min_memory_gb)}{claimed}")
-    if r.disk_gb and v.disk_free_gb is not None and v.disk_free_gb < r.disk_gb:
-        if not _holds_weights(v, r.source):
-            out.append(f"{nid} has {_n(v.disk_free_gb)} GB free for weights, needs {_n(r.disk_gb)}")
-    for k, want in r.node_selector.items():
-        have = v.labels.get(k)
-        if have != want:
-            it_has = f" (it has {k}={have})" if have is not None else ""
-            out.append(f"{nid} lacks label {k}={want}{it_has}")
-    return out
+    why: list[str] = []
+    _fits(v, r, why)
+    return why
 
 
 # --------------------------------------------------------------- preferences
@@ -432,8 +466,7 @@ def _choose_gpus(v: NodeView, r: PlacementRequest, adapters: Sequence[str] = ())
         full = pairs == k * (k - 1) // 2
         if adapters:
             near = sum(
-                min((_PATH_RANK.get(by_index[i].nic_paths.get(a, ""), _UNKNOWN_PATH) for a in adapters))
-                for i in subset
+                min(_PATH_RANK.get(by_index[i].nic_paths.get(a, ""), _UNKNOWN_PATH) for a in adapters) for i in subset
             )
         else:
             near = 0
@@ -481,18 +514,19 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | R
         best = min(fit, key=lambda v: _rank(v, r))
         gpus = _choose_gpus(best, r)
         return Placement(nodes=[(best.node_id, gpus)], explanation=_why_single(best, gpus, r))
-    group = _best_group(r, fit)
-    if group is None:
+    formed = _best_group(r, fit)
+    if formed is None:
         return _refuse(r, nodes)
-    name, members = group
-    adapters_of = _adapters_for(name)
-    chosen = [(v.node_id, _choose_gpus(v, r, adapters_of(v))) for v in members]
+    group, members = formed
+    chosen = [(v.node_id, _choose_gpus(v, r, group.adapters(v))) for v in members]
     words = "; ".join(f"{nid}: {_gpu_words(v, g)}" for (nid, g), v in zip(chosen, members))
-    fabric = name[len("fabric "):] if name.startswith("fabric ") else None
-    domain = name[len("nvlink domain "):] if name.startswith("nvlink domain ") else None
-    return Placement(nodes=chosen, explanation=f"{r.model} on {len(chosen)} nodes in {name}: {words}",
-                     fabric=fabric, nvlink_domain=domain,
-                     adapters={v.node_id: tuple(adapters_of(v)) for v in members})
+    return Placement(
+        nodes=chosen,
+        explanation=f"{r.model} on {len(chosen)} nodes in {group}: {words}",
+        fabric=None if group.nvlink else group.name,
+        nvlink_domain=group.name if group.nvlink else None,
+        adapters={v.node_id: group.adapters(v) for v in members},
+    )
 
 
 def _why_single(v: NodeView, gpus: tuple[int, ...], r: PlacementRequest) -> str:
@@ -506,49 +540,42 @@ def _why_single(v: NodeView, gpus: tuple[int, ...], r: PlacementRequest) -> str:
     return "; ".join(parts)
 
 
-def _groups(fit: Sequence[NodeView]) -> dict[str, list[NodeView]]:
-    """Where a multi-node replica may form: one NVLink domain, or one declared fabric."""
-    groups: dict[str, list[NodeView]] = {}
+def _groups(fit: Sequence[NodeView]) -> dict[PlacementGroup, list[NodeView]]:
+    """The nodes that fit, by the groups they are in."""
+    groups: dict[PlacementGroup, list[NodeView]] = {}
     for v in fit:
-        if v.nvlink_domain:
-            groups.setdefault(f"nvlink domain {v.nvlink_domain}", []).append(v)
-        for f in v.fabrics:
-            groups.setdefault(f"fabric {f}", []).append(v)
+        for g in _groups_of(v):
+            groups.setdefault(g, []).append(v)
     return groups
 
 
-def _best_group(r: PlacementRequest, fit: Sequence[NodeView]) -> tuple[str, list[NodeView]] | None:
+def _best_group(r: PlacementRequest, fit: Sequence[NodeView]) -> tuple[PlacementGroup, list[NodeView]] | None:
     best = None
-    for name, members in _groups(fit).items():
+    for group, members in _groups(fit).items():
         if len(members) < r.nodes:
             continue
         chosen = sorted(members, key=lambda v: _rank(v, r))[: r.nodes]
         # NVLink domains first (InfiniBand is the fallback); then the set
         # holding the most weights and packing tightest; then the name.
         key = (
-            0 if name.startswith("nvlink") else 1,
+            0 if group.nvlink else 1,
             [_rank(v, r)[:2] for v in chosen],
-            name,
+            str(group),
         )
         if best is None or key < best[0]:
-            best = (key, name, chosen)
+            best = (key, group, chosen)
     return None if best is None else (best[1], best[2])
-
-
-def _adapters_for(group: str):
-    fabric = group[len("fabric ") :] if group.startswith("fabric ") else None
-    return lambda v: v.fabrics.get(fabric, ()) if fabric else ()
 
 
 def _refuse(r: PlacementRequest, nodes: Sequence[NodeView]) -> Refusal:
     return Refusal(model=r.model, verdicts=[v for v in explain(r, nodes) if not v.chosen])
 
 
-def _multi_node_words(v: NodeView, r: PlacementRequest, groups: dict[str, list[NodeView]]) -> str:
-    mine = [name for name, members in groups.items() if any(m is v for m in members)]
+def _multi_node_words(v: NodeView, r: PlacementRequest, groups: dict[PlacementGroup, list[NodeView]]) -> str:
+    mine = [g for g, members in groups.items() if any(m is v for m in members)]
     if not v.fabrics and not v.nvlink_domain:
         return f"{v.node_id} is on no fabric, so it cannot join a {r.nodes}-node replica"
-    counts = ", ".join(f"{name} has {len(groups[name])}" for name in sorted(mine))
+    counts = ", ".join(f"{g} has {len(groups[g])}" for g in sorted(mine, key=str))
     return f"{v.node_id} fits, but no fabric it is on has {r.nodes} nodes that fit ({counts})"
 
 
@@ -559,27 +586,26 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeVe
     fit = [v for v in nodes if _fits(v, r)]
     chosen: dict[str, tuple[int, ...]] = {}
     lead: NodeView | None = None
-    group_name = None
-    groups: dict[str, list[NodeView]] = {}
+    group: PlacementGroup | None = None
+    groups: dict[PlacementGroup, list[NodeView]] = {}
     if r.nodes == 1 and fit:
         lead = min(fit, key=lambda v: _rank(v, r))
         chosen[lead.node_id] = _choose_gpus(lead, r)
     elif r.nodes > 1:
         groups = _groups(fit)
-        g = _best_group(r, fit)
-        if g:
-            group_name, members = g
-            adapters_of = _adapters_for(group_name)
+        formed = _best_group(r, fit)
+        if formed:
+            group, members = formed
             for v in members:
-                chosen[v.node_id] = _choose_gpus(v, r, adapters_of(v))
+                chosen[v.node_id] = _choose_gpus(v, r, group.adapters(v))
             lead = members[0]
 
     out = []
     for v in sorted(nodes, key=lambda v: v.sort_key):
         if v.node_id in chosen:
             words = _why_single(v, chosen[v.node_id], r)
-            if group_name:
-                words += f"; in {group_name}"
+            if group is not None:
+                words += f"; in {group}"
             out.append(NodeVerdict(v.node_id, True, [words]))
             continue
         reasons = _refusals(v, r)
@@ -587,16 +613,14 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeVe
             if lead is None or (r.nodes > 1 and not v.fabrics and not v.nvlink_domain):
                 reasons = [_multi_node_words(v, r, groups)]
             else:
-                reasons = [_preferred_words(v, lead, r, group_name)]
+                reasons = [_preferred_words(v, lead, r, group)]
         out.append(NodeVerdict(v.node_id, False, reasons))
     return out
 
 
-def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: str | None) -> str:
+def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: PlacementGroup | None) -> str:
     """Why a node that fits lost to the chosen one."""
-    if group and not any(group == f"fabric {f}" for f in v.fabrics) and not (
-        group.startswith("nvlink") and v.nvlink_domain and group.endswith(v.nvlink_domain)
-    ):
+    if group is not None and group not in _groups_of(v):
         return f"{v.node_id} fits, but the replica was placed in {group}"
     if r.nodes > 1:
         return f"{v.node_id} fits, but enough nodes ranked ahead of it in {group}"
@@ -605,22 +629,34 @@ def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: st
     if r.gpu_class:
         mine, theirs = v.free_gpus - r.tp, lead.free_gpus - r.tp
         if mine != theirs:
-            return (
-                f"{v.node_id} fits, but {lead.node_id} packs tighter "
-                f"({theirs} free GPUs left there, {mine} here)"
-            )
+            return f"{v.node_id} fits, but {lead.node_id} packs tighter ({theirs} free GPUs left there, {mine} here)"
     else:
         if v.replicas != lead.replicas:
-            return (f"{v.node_id} fits, but {lead.node_id} runs fewer replicas "
-                    f"({lead.replicas} there, {v.replicas} here)")
+            return (
+                f"{v.node_id} fits, but {lead.node_id} runs fewer replicas ({lead.replicas} there, {v.replicas} here)"
+            )
         mine_m, theirs_m = v.memory_free_gb, lead.memory_free_gb
         if mine_m != theirs_m:
             here = f"{_n(mine_m)} GB" if mine_m is not None else "unknown"
             return (
-                f"{v.node_id} fits, but {lead.node_id} has more free memory "
-                f"({_n(theirs_m or 0)} GB there, {here} here)"
+                f"{v.node_id} fits, but {lead.node_id} has more free memory ({_n(theirs_m or 0)} GB there, {here} here)"
             )
     return f"{v.node_id} fits, but {lead.node_id} comes first by name"
+
+
+class Fleet:
+    """Node views that placements claim from in turn, so that each request
+    placed sees the GPUs and memory the earlier ones took."""
+
+    def __init__(self, nodes: Iterable[NodeView]) -> None:
+        self.views = list(nodes)
+        self._pos = {v.node_id: i for i, v in enumerate(self.views)}
+
+    def claim(self, placement: Placement, memory_gb: float | None) -> None:
+        """``placement``'s GPUs taken, and ``memory_gb`` declared on each of its nodes."""
+        for nid, gpus in placement.nodes:
+            i = self._pos[nid]
+            self.views[i] = self.views[i].with_claim(gpus, memory_gb or 0.0)
 
 
 def place_all(
@@ -628,14 +664,11 @@ def place_all(
 ) -> tuple[list[Placement | Refusal], list[NodeView]]:
     """Place requests in order, each seeing the GPUs and memory the earlier
     ones claimed; returns the results and the views after all claims."""
-    views = list(nodes)
-    pos = {v.node_id: i for i, v in enumerate(views)}
+    fleet = Fleet(nodes)
     results: list[Placement | Refusal] = []
     for r in requests:
-        res = place(r, views)
+        res = place(r, fleet.views)
         results.append(res)
         if isinstance(res, Placement):
-            for nid, gpus in res.nodes:
-                i = pos[nid]
-                views[i] = views[i].with_claim(gpus, r.min_memory_gb or 0.0)
-    return results, views
+            fleet.claim(res, r.min_memory_gb)
+    return results, fleet.views

@@ -28,8 +28,10 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from llmgw.config.server import ProfileConfig, ServerConfig
+from llmgw.errors import LlmgwError
 from llmgw.files import new_token
 from llmgw.protocol import (
     FEATURE_DRAIN,
@@ -47,6 +49,7 @@ from llmgw.server.control.agents import AgentService, AgentServiceError, Node, N
 from llmgw.server.control.catalog import Catalog, CatalogEntry
 from llmgw.server.control.placement import (
     Claims,
+    Fleet,
     NodeView,
     Placement,
     PlacementRequest,
@@ -60,8 +63,23 @@ from llmgw.store import Store
 
 log = logging.getLogger("llmgw.server.control.reconciler")
 
-REPLICA_STATES = ("starting", "loading", "ready", "failed", "stopping")
-CORDONED, DRAINING = "cordoned", "draining"
+
+class ReplicaState(StrEnum):
+    """A replica's state, from its shards' (in this order in listings and metrics)."""
+
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class NodeMark(StrEnum):
+    """An operator's mark on a node, kept in the store."""
+
+    CORDONED = "cordoned"  # nothing new is placed there
+    DRAINING = "draining"  # cordoned, and its replicas move elsewhere one at a time
+
 
 # A shard just sent may reach the agent after it registered on a new stream;
 # it is not let go for missing from that registration within this window.
@@ -77,7 +95,7 @@ _MIN_TICK_SPACING_S = 0.2
 ENGINE_KEY_PREFIX = "llmgw-engine-"
 
 
-class ControlError(Exception):
+class ControlError(LlmgwError):
     """An operator's request that was refused; the message says why."""
 
 
@@ -88,7 +106,7 @@ class Shard:
     rank: int
     gpus: tuple[int, ...]
     spec: StartShard
-    state: str = ShardState.PENDING.value
+    state: ShardState = ShardState.PENDING
     fetch: FetchProgress | None = None
     pid: int | None = None
     reason: str | None = None
@@ -130,21 +148,21 @@ class Replica:
         return next((s for s in self.shards if s.rank == 0), None)
 
     @property
-    def state(self) -> str:
+    def state(self) -> ReplicaState:
         if self.stopping:
-            return "stopping"
+            return ReplicaState.STOPPING
         if self.failed_reason is not None:
-            return "failed"
+            return ReplicaState.FAILED
         if len(self.shards) < self.nnodes:
-            return "starting"
+            return ReplicaState.STARTING
         states = {s.state for s in self.shards}
-        if states & {ShardState.FAILED.value, ShardState.STOPPED.value}:
-            return "failed"
-        if states == {ShardState.READY.value}:
-            return "ready"
-        if states <= {ShardState.READY.value, ShardState.LOADING.value}:
-            return "loading"
-        return "starting"
+        if not all(st.running for st in states):
+            return ReplicaState.FAILED
+        if states == {ShardState.READY}:
+            return ReplicaState.READY
+        if states <= {ShardState.READY, ShardState.LOADING}:
+            return ReplicaState.LOADING
+        return ReplicaState.STARTING
 
     @property
     def live(self) -> bool:
@@ -165,6 +183,20 @@ class _StartPlan:
     profile: ProfileConfig
     placement: Placement
     replaces: str | None = None
+
+
+class _PassFleet:
+    """The node views one pass places on: built when its first placement needs them (most
+    passes place nothing), then claimed from by each start it places."""
+
+    def __init__(self, build: Callable[[], list[NodeView]]) -> None:
+        self._build = build
+        self._fleet: Fleet | None = None
+
+    def get(self) -> Fleet:
+        if self._fleet is None:
+            self._fleet = Fleet(self._build())
+        return self._fleet
 
 
 def _slug(name: str) -> str:
@@ -207,11 +239,12 @@ class Reconciler:
         self.port_lo, self.port_hi = c.port_range
         self.cold_start_wait = c.cold_start_wait
         self.engine_versions = {e: v for e, v, _ in config.engines.wanted()}
-        self.provision = Provision(engines=[EngineWant(engine=e, version=v, source_url=u)
-                                            for e, v, u in config.engines.wanted()])
+        self.provision = Provision(
+            engines=[EngineWant(engine=e, version=v, source_url=u) for e, v, u in config.engines.wanted()]
+        )
         self.replicas: dict[str, Replica] = {}
         self._shard_index: dict[str, str] = {}  # shard id -> replica id
-        self.marks: dict[str, str] = {}  # node id -> cordoned / draining
+        self.marks: dict[str, NodeMark] = {}  # node id -> its mark
         self.problems: dict[str, str] = {}  # model -> why it cannot be placed now
         self.node_warnings: dict[str, str] = {}  # node id -> e.g. why a drain is stuck
         self._backoff: dict[str, _Backoff] = {}
@@ -236,7 +269,8 @@ class Reconciler:
 
     async def start(self) -> None:
         if self.store is not None:
-            self.marks = await self.store.node_marks_list()
+            # The store holds only the marks it was given.
+            self.marks = {n: NodeMark(m) for n, m in (await self.store.node_marks_list()).items()}
         self._started_at = self.clock()
         log.info("waiting %gs for agents to reconnect before placing anything", self.settle)
         if self._task is None:
@@ -262,7 +296,7 @@ class Reconciler:
                 log.exception("a reconcile pass failed")
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             await asyncio.sleep(_MIN_TICK_SPACING_S)
@@ -301,16 +335,20 @@ class Reconciler:
                 if problem is not None and not self._any_live(name):
                     # The refusal names nodes and their memory: the operator's to read (log,
                     # ctl models, ctl explain-placement), not an API client's.
-                    return (f"model '{name}' cannot be started now: no node can take it; an operator can see "
-                            f"why with llmgw ctl explain-placement {name}")
+                    return (
+                        f"model '{name}' cannot be started now: no node can take it; an operator can see "
+                        f"why with llmgw ctl explain-placement {name}"
+                    )
                 left = deadline - self.clock()
                 if left <= 0:
-                    return (f"model '{name}' is loading and was not ready within {self.cold_start_wait:g}s "
-                            "(control.cold_start_wait); try again shortly")
+                    return (
+                        f"model '{name}' is loading and was not ready within {self.cold_start_wait:g}s "
+                        "(control.cold_start_wait); try again shortly"
+                    )
                 event.clear()
                 try:
                     await asyncio.wait_for(event.wait(), min(left, 1.0))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self._waiters[name] -= 1
@@ -318,8 +356,10 @@ class Reconciler:
                 del self._waiters[name]
 
     def _has_ready(self, model: str) -> bool:
-        return any(r.model == model and r.endpoint is not None and r.state == "ready"
-                   for r in self.replicas.values())
+        return any(
+            r.model == model and r.endpoint is not None and r.state is ReplicaState.READY
+            for r in self.replicas.values()
+        )
 
     def _any_live(self, model: str) -> bool:
         return any(r.model == model and r.live for r in self.replicas.values())
@@ -337,7 +377,7 @@ class Reconciler:
             raise ControlError(f"no node named {node_id} is known; llmgw ctl nodes lists them")
         return node
 
-    async def _set_mark(self, node_id: str, mark: str | None) -> None:
+    async def _set_mark(self, node_id: str, mark: NodeMark | None) -> None:
         if self.store is not None:
             await self.store.node_mark_set(node_id, mark)
         if mark is None:
@@ -348,13 +388,14 @@ class Reconciler:
 
     async def cordon(self, node_id: str) -> str:
         self._known_node(node_id)
-        if self.marks.get(node_id) == DRAINING:
+        if self.marks.get(node_id) is NodeMark.DRAINING:
             return f"{node_id} is already draining (which cordons it); llmgw ctl uncordon {node_id} undoes both"
-        await self._set_mark(node_id, CORDONED)
+        await self._set_mark(node_id, NodeMark.CORDONED)
         log.info("node %s cordoned: nothing new is placed there", node_id)
         running = len(self._replicas_on(node_id))
-        return (f"{node_id} is cordoned: nothing new is placed there; "
-                f"the {running} replica(s) running there keep running")
+        return (
+            f"{node_id} is cordoned: nothing new is placed there; the {running} replica(s) running there keep running"
+        )
 
     async def uncordon(self, node_id: str) -> str:
         self._known_node(node_id)
@@ -368,14 +409,16 @@ class Reconciler:
 
     async def drain(self, node_id: str) -> str:
         self._known_node(node_id)
-        await self._set_mark(node_id, DRAINING)
+        await self._set_mark(node_id, NodeMark.DRAINING)
         n = len([r for r in self._replicas_on(node_id) if not r.stopping])
         log.info("draining node %s: moving %d replica(s) elsewhere, one at a time", node_id, n)
         self.wake()
         if not n:
             return f"{node_id} is draining: nothing runs there, and nothing new will be placed there"
-        return (f"{node_id} is draining: its {n} replica(s) move elsewhere one at a time, each replacement "
-                "ready before the old one stops; llmgw ctl replicas shows the progress")
+        return (
+            f"{node_id} is draining: its {n} replica(s) move elsewhere one at a time, each replacement "
+            "ready before the old one stops; llmgw ctl replicas shows the progress"
+        )
 
     def _replicas_on(self, node_id: str) -> list[Replica]:
         return [r for r in self.replicas.values() if node_id in r.node_ids]
@@ -401,8 +444,9 @@ class Reconciler:
             problem = self._adopt(node, rs)
             if problem is not None:
                 log.warning("node %s runs shard %s, which is stopped: %s", node.node_id, rs.shard_id, problem)
-                self._spawn(self._send_stop(node.node_id, rs.shard_id,
-                                            f"the control plane does not know this shard: {problem}"))
+                self._spawn(
+                    self._send_stop(node.node_id, rs.shard_id, f"the control plane does not know this shard: {problem}")
+                )
         self.wake()
 
     def _adopt(self, node: Node, rs: RunningShard) -> str | None:
@@ -419,15 +463,25 @@ class Reconciler:
         profile = next((p for p in entry.model.profiles if p.name == pname), None)
         if profile is None:
             return f"model {spec.model} has no profile named {pname}"
-        if rs.state in (ShardState.FAILED, ShardState.STOPPED):
-            return f"it is {rs.state.value}"
+        if rs.state is not None and not rs.state.running:
+            return f"it is {rs.state}"
         r = self.replicas.get(spec.replica_id)
         now = self.clock()
         if r is None:
-            r = Replica(id=spec.replica_id, model=entry.name, profile=profile.name, profile_fp=spec.profile_fp,
-                        engine=spec.engine, pool=spec.pool or _pool(profile, None),
-                        memory_gb=profile.min_memory_gb or 0.0, http_port=None, nnodes=spec.nnodes or 1,
-                        created=now, created_wall=time.time(), adopted=True)
+            r = Replica(
+                id=spec.replica_id,
+                model=entry.name,
+                profile=profile.name,
+                profile_fp=spec.profile_fp,
+                engine=spec.engine,
+                pool=spec.pool or _pool(profile, None),
+                memory_gb=profile.min_memory_gb or 0.0,
+                http_port=None,
+                nnodes=spec.nnodes or 1,
+                created=now,
+                created_wall=time.time(),
+                adopted=True,
+            )
             self.replicas[r.id] = r
             log.info("adopted replica %s of %s (profile %s) from node %s", r.id, r.model, r.profile, node.node_id)
         rank = spec.rank or 0
@@ -436,8 +490,15 @@ class Reconciler:
         if rank == 0 or r.api_key is None:
             # The key the engine was started with, as the agent kept it: the leader's is the one it checks.
             r.api_key = spec.api_key
-        shard = Shard(node_id=node.node_id, shard_id=rs.shard_id, rank=rank, gpus=tuple(spec.gpus or ()),
-                      spec=spec, state=(rs.state or ShardState.PENDING).value, pid=rs.pid)
+        shard = Shard(
+            node_id=node.node_id,
+            shard_id=rs.shard_id,
+            rank=rank,
+            gpus=tuple(spec.gpus or ()),
+            spec=spec,
+            state=rs.state or ShardState.PENDING,
+            pid=rs.pid,
+        )
         r.shards.append(shard)
         r.shards.sort(key=lambda s: s.rank)
         self._shard_index[rs.shard_id] = r.id
@@ -447,7 +508,7 @@ class Reconciler:
         # came before this adoption and was not seen.
         live = node.shards.get(rs.shard_id)
         if live is not None:
-            shard.state, shard.fetch, shard.pid = live.state.value, live.fetch, live.pid or shard.pid
+            shard.state, shard.fetch, shard.pid = live.state, live.fetch, live.pid or shard.pid
         self._after_change(r)
         return None
 
@@ -463,13 +524,13 @@ class Reconciler:
             self._shard_gone(r, shard, f"node {ev.node_id} no longer reports shard {ev.shard_id}")
             return
         st = ev.status
-        shard.state = st.state.value
-        shard.fetch = st.fetch if st.state == ShardState.PENDING else None
+        shard.state = st.state
+        shard.fetch = st.fetch if st.state is ShardState.PENDING else None
         shard.pid = st.pid or shard.pid
         shard.reason = st.reason
-        if st.state in (ShardState.FAILED, ShardState.STOPPED):
+        if not st.state.running:
             # A failed shard's record stays on the agent until it is told to stop it.
-            shard.gone = st.state == ShardState.STOPPED
+            shard.gone = st.state is ShardState.STOPPED
             if r.stopping:
                 self._forget_if_stopped(r)
             else:
@@ -477,8 +538,7 @@ class Reconciler:
                 tail = [line for line in (st.output_tail or []) if line.strip()]
                 if tail:
                     words += f" (last output: {tail[-1].strip()[:200]})"
-                self._fail(r, f"shard {shard.shard_id} on node {shard.node_id} {st.state.value}: {words}",
-                           count=True)
+                self._fail(r, f"shard {shard.shard_id} on node {shard.node_id} {st.state}: {words}", count=True)
             return
         self._after_change(r)
         if ev.transition:
@@ -493,7 +553,7 @@ class Reconciler:
         self._fail(r, why, count=False)
 
     def _after_change(self, r: Replica) -> None:
-        if r.state == "ready" and r.endpoint is None:
+        if r.state is ReplicaState.READY and r.endpoint is None:
             self._publish(r)
 
     # -- endpoints -------------------------------------------------------------------
@@ -507,8 +567,9 @@ class Reconciler:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         b = self.config.router.breaker
-        ep = Endpoint(r.model, f"http://{host}:{r.http_port}", r.engine, None, b.failures, b.cooldown,
-                      api_key=r.api_key)
+        ep = Endpoint(
+            r.model, f"http://{host}:{r.http_port}", r.engine, None, b.failures, b.cooldown, api_key=r.api_key
+        )
         # The agent has seen the engine answer; the gateway's own probe keeps watching.
         ep.healthy = True
         ep.health_detail = f"ready (replica {r.id} on {leader.node_id})"
@@ -582,7 +643,7 @@ class Reconciler:
     def _forget(self, r: Replica) -> None:
         if r.failed_reason is not None:
             row = self._row(r, self.clock(), self.catalog.get(r.model))
-            row["state"] = "failed"
+            row["state"] = ReplicaState.FAILED
             self._failed_rows[r.model] = row
         self._unpublish(r)
         self.replicas.pop(r.id, None)
@@ -591,12 +652,23 @@ class Reconciler:
                 del self._shard_index[s.shard_id]
         log.info("replica %s of %s is gone (%s)", r.id, r.model, r.stop_reason or r.failed_reason or "stopped")
 
-    async def _send_stop(self, node_id: str, shard_id: str, reason: str, *, drain: bool = False,
-                         replica: Replica | None = None, shard: Shard | None = None) -> None:
+    async def _send_stop(
+        self,
+        node_id: str,
+        shard_id: str,
+        reason: str,
+        *,
+        drain: bool = False,
+        replica: Replica | None = None,
+        shard: Shard | None = None,
+    ) -> None:
         node = self.agents.get(node_id)
         use_drain = drain and node is not None and FEATURE_DRAIN in (node.features or [])
-        msg = (DrainShard(shard_id=shard_id, reason=reason, timeout_s=_DRAIN_TIMEOUT_S) if use_drain
-               else StopShard(shard_id=shard_id, reason=reason))
+        msg = (
+            DrainShard(shard_id=shard_id, reason=reason, timeout_s=_DRAIN_TIMEOUT_S)
+            if use_drain
+            else StopShard(shard_id=shard_id, reason=reason)
+        )
         # The agent answers once the engine is stopped (after draining, for a drain).
         timeout = _REQUEST_TIMEOUT_S + (_DRAIN_TIMEOUT_S if use_drain else 0.0)
         try:
@@ -652,84 +724,81 @@ class Reconciler:
         now = self.clock()
         nodes = {n.node_id: n for n in self.agents.nodes()}
         entries = {e.name: e for e in self.catalog.models() if e.model.managed}
-
         for r in list(self.replicas.values()):
-            # Stopping replicas whose nodes never confirmed are forgotten in the end.
             if r.stopping:
-                for s in r.shards:
-                    n = nodes.get(s.node_id)
-                    if n is None or n.state == NodeState.LOST:
-                        s.gone = True
-                if all(s.gone for s in r.shards):
-                    self._forget(r)
-                elif r.stopping_since is not None and now - r.stopping_since > _STOP_GRACE_S:
-                    log.warning("replica %s: no node confirmed it stopped within %.0fs; forgetting it",
-                                r.id, _STOP_GRACE_S)
-                    self._forget(r)
-                continue
-            if r.failed_reason is not None:
-                continue
-            # Lost or removed nodes: place the replica again elsewhere.
-            for s in r.shards:
-                n = nodes.get(s.node_id)
-                if n is None or n.state == NodeState.LOST:
-                    s.gone = True
-                    why = "removed" if n is None else "lost"
-                    self._fail(r, f"node {s.node_id} is {why}; the replica is placed again", count=False)
-                    break
-            if r.failed_reason is not None:
-                continue
-            entry = entries.get(r.model)
-            profile = next((p for p in entry.model.profiles if p.name == r.profile), None) if entry else None
-            if entry is None:
-                self._stop(r, f"model {r.model} left the catalog")
-                continue
-            if profile is None:
-                self._stop(r, f"profile {r.profile} left {r.model}'s catalog entry")
-                continue
-            if r.state != "ready" and now - r.created > profile.startup_timeout:
-                fetch = next((_words_fetch(s.fetch) for s in r.shards if s.fetch), "")
-                self._fail(r, f"not ready {profile.startup_timeout:g}s after it was started "
-                              f"(startup_timeout; still {r.state}{fetch})", count=True)
-
-        starts: list[_StartPlan] = []
+                self._release_stopping(r, nodes, now)
+            elif r.failed_reason is None:
+                self._check_live(r, nodes, entries, now)
         if self._started_at is not None and now - self._started_at < self.settle:
-            return starts
-        views: list[NodeView] | None = None
-        pos: dict[str, int] = {}
+            return []
+        fleet = _PassFleet(lambda: self.views(nodes))
+        return self._meet_targets(entries, fleet, now) + self._move_off_draining(entries, fleet, now)
 
-        def fleet() -> list[NodeView]:
-            nonlocal views, pos
-            if views is None:
-                views = self.views(nodes)
-                pos = {v.node_id: i for i, v in enumerate(views)}
-            return views
+    def _release_stopping(self, r: Replica, nodes: dict[str, Node], now: float) -> None:
+        """Forget a stopping replica once its nodes confirmed, were lost, or never answered."""
+        for s in r.shards:
+            n = nodes.get(s.node_id)
+            if n is None or n.state == NodeState.LOST:
+                s.gone = True
+        if all(s.gone for s in r.shards):
+            self._forget(r)
+        elif r.stopping_since is not None and now - r.stopping_since > _STOP_GRACE_S:
+            log.warning("replica %s: no node confirmed it stopped within %.0fs; forgetting it", r.id, _STOP_GRACE_S)
+            self._forget(r)
 
-        def claim(p: _StartPlan) -> None:
-            assert views is not None
-            for nid, gpus in p.placement.nodes:
-                i = pos[nid]
-                views[i] = views[i].with_claim(gpus, p.profile.min_memory_gb or 0.0)
+    def _check_live(self, r: Replica, nodes: dict[str, Node], entries: dict[str, CatalogEntry], now: float) -> None:
+        """Fail a replica on a lost or removed node, or not ready past its startup_timeout; stop one
+        the catalog no longer asks for."""
+        # Lost or removed nodes: place the replica again elsewhere.
+        for s in r.shards:
+            n = nodes.get(s.node_id)
+            if n is None or n.state == NodeState.LOST:
+                s.gone = True
+                why = "removed" if n is None else "lost"
+                self._fail(r, f"node {s.node_id} is {why}; the replica is placed again", count=False)
+                return
+        entry = entries.get(r.model)
+        if entry is None:
+            self._stop(r, f"model {r.model} left the catalog")
+            return
+        profile = next((p for p in entry.model.profiles if p.name == r.profile), None)
+        if profile is None:
+            self._stop(r, f"profile {r.profile} left {r.model}'s catalog entry")
+            return
+        if r.state is not ReplicaState.READY and now - r.created > profile.startup_timeout:
+            fetch = next((_words_fetch(s.fetch) for s in r.shards if s.fetch), "")
+            self._fail(
+                r,
+                f"not ready {profile.startup_timeout:g}s after it was started "
+                f"(startup_timeout; still {r.state}{fetch})",
+                count=True,
+            )
 
+    def _meet_targets(self, entries: dict[str, CatalogEntry], fleet: _PassFleet, now: float) -> list[_StartPlan]:
+        """Stop each model's extra replicas; place its missing ones, unless it is backing off."""
+        starts: list[_StartPlan] = []
         for name, entry in entries.items():
             want = self.target(entry, now)
             live = [r for r in self.replicas.values() if r.model == name and r.live]
             if len(live) > want:
-                marked = {n for n, m in self.marks.items()}
-                order = sorted(live, key=lambda r: (r.state == "ready", not (set(r.node_ids) & marked), -r.created))
-                for r in order[:len(live) - want]:
-                    why = "idle" if want == 0 and entry.model.scaling and entry.model.scaling.min == 0 else "scaled down"
+                marked = set(self.marks)
+                order = sorted(
+                    live, key=lambda r: (r.state is ReplicaState.READY, not (set(r.node_ids) & marked), -r.created)
+                )
+                for r in order[: len(live) - want]:
+                    why = (
+                        "idle" if want == 0 and entry.model.scaling and entry.model.scaling.min == 0 else "scaled down"
+                    )
                     self._stop(r, f"{why} ({name} wants {want} replica(s))")
                 continue
             if len(live) == want:
                 if want:
                     self.problems.pop(name, None)
                 continue
-            b = self._backoff.get(name)
-            if b is not None and now < b.next_at:
+            if self._backing_off(name, now):
                 continue
             for _ in range(want - len(live)):
-                plan = self._place(entry, fleet())
+                plan = self._place(entry, fleet)
                 if isinstance(plan, str):
                     if self.problems.get(name) != plan:
                         log.warning("%s", plan)
@@ -737,15 +806,19 @@ class Reconciler:
                     self._signal(name)
                     break
                 self.problems.pop(name, None)
-                claim(plan)
                 starts.append(plan)
+        return starts
 
-        # Drains: one replica at a time per node, its replacement ready before it stops.
+    def _move_off_draining(self, entries: dict[str, CatalogEntry], fleet: _PassFleet, now: float) -> list[_StartPlan]:
+        """One replica at a time per draining node, its replacement ready before it stops."""
+        starts: list[_StartPlan] = []
         for node_id, mark in sorted(self.marks.items()):
-            if mark != DRAINING:
+            if mark is not NodeMark.DRAINING:
                 continue
-            on_node = sorted((r for r in self._replicas_on(node_id) if not r.stopping and r.failed_reason is None),
-                             key=lambda r: natural_key(r.id))
+            on_node = sorted(
+                (r for r in self._replicas_on(node_id) if not r.stopping and r.failed_reason is None),
+                key=lambda r: natural_key(r.id),
+            )
             if not on_node:
                 self.node_warnings.pop(node_id, None)
                 continue
@@ -753,19 +826,20 @@ class Reconciler:
                 continue  # a replacement is on its way
             old = on_node[0]
             entry = entries.get(old.model)
-            if entry is None:
+            if entry is None or self._backing_off(old.model, now):
                 continue
-            if self._backoff.get(old.model) and now < self._backoff[old.model].next_at:
-                continue
-            plan = self._place(entry, fleet())
+            plan = self._place(entry, fleet)
             if isinstance(plan, str):
                 self.node_warnings[node_id] = f"drain is waiting: cannot move replica {old.id} elsewhere: {plan}"
                 continue
             self.node_warnings.pop(node_id, None)
             plan.replaces = old.id
-            claim(plan)
             starts.append(plan)
         return starts
+
+    def _backing_off(self, model: str, now: float) -> bool:
+        b = self._backoff.get(model)
+        return b is not None and now < b.next_at
 
     def views(self, nodes: dict[str, Node]) -> list[NodeView]:
         gpus: dict[str, set[int]] = {}
@@ -781,22 +855,36 @@ class Reconciler:
         out = []
         for nid in sorted(nodes, key=natural_key):
             mark = self.marks.get(nid)
-            out.append(node_view(nodes[nid], cordoned=mark == CORDONED, draining=mark == DRAINING,
-                                 claims=Claims(frozenset(gpus.get(nid, ())), mem.get(nid, 0.0), count.get(nid, 0))))
+            out.append(
+                node_view(
+                    nodes[nid],
+                    cordoned=mark is NodeMark.CORDONED,
+                    draining=mark is NodeMark.DRAINING,
+                    claims=Claims(frozenset(gpus.get(nid, ())), mem.get(nid, 0.0), count.get(nid, 0)),
+                )
+            )
         return out
 
     def request_for(self, entry: CatalogEntry, profile: ProfileConfig) -> PlacementRequest:
         return PlacementRequest(
-            model=entry.name, engine=profile.engine, gpu_class=profile.gpu_class,
-            tp=max(1, profile.tp // profile.nodes), nodes=profile.nodes, min_memory_gb=profile.min_memory_gb,
-            node_selector=dict(profile.node_selector), source=entry.model.source)
+            model=entry.name,
+            engine=profile.engine,
+            gpu_class=profile.gpu_class,
+            tp=max(1, profile.tp // profile.nodes),
+            nodes=profile.nodes,
+            min_memory_gb=profile.min_memory_gb,
+            node_selector=dict(profile.node_selector),
+            source=entry.model.source,
+        )
 
-    def _place(self, entry: CatalogEntry, views: list[NodeView]) -> _StartPlan | str:
-        """The first profile that fits, in catalog order; else every profile's refusal."""
+    def _place(self, entry: CatalogEntry, fleet: _PassFleet) -> _StartPlan | str:
+        """The first profile that fits, in catalog order, its nodes claimed in ``fleet``; else
+        every profile's refusal."""
         refusals: list[str] = []
         for profile in entry.model.profiles:
-            res = place(self.request_for(entry, profile), views)
+            res = place(self.request_for(entry, profile), fleet.get().views)
             if isinstance(res, Placement):
+                fleet.get().claim(res, profile.min_memory_gb)
                 return _StartPlan(entry, profile, res)
             assert isinstance(res, Refusal)
             text = res.explanation
@@ -812,7 +900,7 @@ class Reconciler:
                 if s.node_id == node_id and not s.gone:
                     used.update(p for p in (s.spec.http_port, s.spec.leader_port) if p)
         node = self.agents.get(node_id)
-        for rs in (node.registered_shards if node else ()):
+        for rs in node.registered_shards if node else ():
             if rs.spec is not None:
                 used.update(p for p in (rs.spec.http_port, rs.spec.leader_port) if p)
         span = self.port_hi - self.port_lo + 1
@@ -825,7 +913,9 @@ class Reconciler:
         for port in range(self.port_lo, self.port_hi + 1):
             if port not in used:
                 return port
-        raise ControlError(f"node {node_id} has no free port left in control.engine_ports ({self.port_lo}-{self.port_hi})")
+        raise ControlError(
+            f"node {node_id} has no free port left in control.engine_ports ({self.port_lo}-{self.port_hi})"
+        )
 
     async def _start(self, p: _StartPlan) -> None:
         entry, profile = p.entry, p.profile
@@ -844,27 +934,55 @@ class Reconciler:
             self.problems[entry.name] = str(exc)
             return
         pl = p.placement
-        pool = _pool(profile, pl.fabric or (f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else None))
-        r = Replica(id=rid, model=entry.name, profile=profile.name, profile_fp=profile.fingerprint,
-                    engine=profile.engine, pool=pool, memory_gb=profile.min_memory_gb or 0.0, http_port=port,
-                    nnodes=nnodes, created=now, created_wall=time.time(), replaces=p.replaces,
-                    api_key=new_token(ENGINE_KEY_PREFIX))
-        eprofile = EngineProfile(name=profile.name, tensor_parallel=profile.tp if profile.gpu_class else None,
-                                 args=list(profile.args) or None, env=dict(profile.env) or None)
+        # As StartShard carries it: the declared fabric, or "nvl:<domain>" inside an NVLink domain.
+        fabric = f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else pl.fabric
+        pool = _pool(profile, fabric)
+        r = Replica(
+            id=rid,
+            model=entry.name,
+            profile=profile.name,
+            profile_fp=profile.fingerprint,
+            engine=profile.engine,
+            pool=pool,
+            memory_gb=profile.min_memory_gb or 0.0,
+            http_port=port,
+            nnodes=nnodes,
+            created=now,
+            created_wall=time.time(),
+            replaces=p.replaces,
+            api_key=new_token(ENGINE_KEY_PREFIX),
+        )
+        eprofile = EngineProfile(
+            name=profile.name,
+            tensor_parallel=profile.tp if profile.gpu_class else None,
+            args=list(profile.args) or None,
+            env=dict(profile.env) or None,
+        )
         for rank, (nid, gpus) in enumerate(placed):
             spec = StartShard(
-                shard_id=f"{rid}-{rank}", replica_id=rid, model=entry.name, engine=profile.engine,
-                engine_version=self.engine_versions.get(profile.engine), source=entry.model.source,
-                gpus=list(gpus) or None, http_port=port if rank == 0 else None,
-                rank=rank if nnodes > 1 else None, nnodes=nnodes if nnodes > 1 else None,
+                shard_id=f"{rid}-{rank}",
+                replica_id=rid,
+                model=entry.name,
+                engine=profile.engine,
+                engine_version=self.engine_versions.get(profile.engine),
+                source=entry.model.source,
+                gpus=list(gpus) or None,
+                http_port=port if rank == 0 else None,
+                rank=rank if nnodes > 1 else None,
+                nnodes=nnodes if nnodes > 1 else None,
                 leader_addr=(leader.mgmt_addr if leader else None) if nnodes > 1 else None,
-                leader_port=leader_port, profile=eprofile, pool=pool, profile_fp=profile.fingerprint,
+                leader_port=leader_port,
+                profile=eprofile,
+                pool=pool,
+                profile_fp=profile.fingerprint,
                 # NCCL is given the chosen fabric's adapters on this node and no others.
                 hcas=list(pl.adapters.get(nid, ())) or None,
-                fabric=f"nvl:{pl.nvlink_domain}" if pl.nvlink_domain else pl.fabric,
-                api_key=r.api_key)  # every shard the same: one replica, one key
-            r.shards.append(Shard(node_id=nid, shard_id=spec.shard_id, rank=rank, gpus=tuple(gpus), spec=spec,
-                                  dispatched_at=now))
+                fabric=fabric,
+                api_key=r.api_key,
+            )  # every shard the same: one replica, one key
+            r.shards.append(
+                Shard(node_id=nid, shard_id=spec.shard_id, rank=rank, gpus=tuple(gpus), spec=spec, dispatched_at=now)
+            )
             self._shard_index[spec.shard_id] = rid
         self.replicas[rid] = r
         if p.replaces:
@@ -872,8 +990,14 @@ class Reconciler:
             if old is not None:
                 old.replaced_by = rid
         where = ", ".join(f"{nid}" + (f" GPU {','.join(map(str, g))}" if g else "") for nid, g in placed)
-        log.info("starting replica %s of %s (profile %s) on %s%s", rid, entry.name, profile.name, where,
-                 f", to replace {p.replaces}" if p.replaces else "")
+        log.info(
+            "starting replica %s of %s (profile %s) on %s%s",
+            rid,
+            entry.name,
+            profile.name,
+            where,
+            f", to replace {p.replaces}" if p.replaces else "",
+        )
         # The leader first: workers rendezvous with it.
         for s in r.shards:
             if r.failed_reason is not None or r.stopping:
@@ -886,8 +1010,7 @@ class Reconciler:
                 return
             if not getattr(ack, "ok", False):
                 s.gone = True
-                self._fail(r, f"node {s.node_id} refused shard {s.shard_id}: {getattr(ack, 'error', None)}",
-                           count=True)
+                self._fail(r, f"node {s.node_id} refused shard {s.shard_id}: {getattr(ack, 'error', None)}", count=True)
                 return
 
     # -- views for the admin API, ctl and metrics ---------------------------------------------
@@ -896,11 +1019,16 @@ class Reconciler:
         """Every replica, then the last failed one of each model that has not served since."""
         now = self.clock()
         entries = {e.name: e for e in self.catalog.models()}
-        rows = [self._row(r, now, entries.get(r.model))
-                for r in sorted(self.replicas.values(), key=lambda r: (r.model, r.created, r.id))
-                if model is None or r.model == model]
-        rows += [row for m, row in sorted(self._failed_rows.items())
-                 if (model is None or m == model) and row["id"] not in self.replicas]
+        rows = [
+            self._row(r, now, entries.get(r.model))
+            for r in sorted(self.replicas.values(), key=lambda r: (r.model, r.created, r.id))
+            if model is None or r.model == model
+        ]
+        rows += [
+            row
+            for m, row in sorted(self._failed_rows.items())
+            if (model is None or m == model) and row["id"] not in self.replicas
+        ]
         return rows
 
     def _row(self, r: Replica, now: float, entry: CatalogEntry | None) -> dict:
@@ -908,21 +1036,38 @@ class Reconciler:
         stale = bool(r.profile_fp) and current is not None and current != r.profile_fp
         last = self._last_request.get(r.model)
         return {
-            "id": r.id, "model": r.model, "profile": r.profile, "state": r.state, "pool": r.pool,
-            "stale": stale, "adopted": r.adopted,
+            "id": r.id,
+            "model": r.model,
+            "profile": r.profile,
+            "state": r.state,
+            "pool": r.pool,
+            "stale": stale,
+            "adopted": r.adopted,
             "age_s": round(now - r.created, 1),
             "idle_s": round(now - last, 1) if last is not None else None,
             "endpoint": r.endpoint.url if r.endpoint else None,
             "reason": r.failed_reason or (r.stop_reason if r.stopping else None),
-            "replaces": r.replaces, "replaced_by": r.replaced_by,
-            "shards": [{
-                "node": s.node_id, "shard_id": s.shard_id, "rank": s.rank, "gpus": list(s.gpus),
-                "state": s.state, "pid": s.pid,
-                "fetch": None if s.fetch is None else {
-                    "source": s.fetch.source, "bytes_done": s.fetch.bytes_done,
-                    "bytes_total": s.fetch.bytes_total,
-                    "percent": None if s.fetch.percent is None else round(s.fetch.percent, 1)},
-            } for s in r.shards],
+            "replaces": r.replaces,
+            "replaced_by": r.replaced_by,
+            "shards": [
+                {
+                    "node": s.node_id,
+                    "shard_id": s.shard_id,
+                    "rank": s.rank,
+                    "gpus": list(s.gpus),
+                    "state": s.state,
+                    "pid": s.pid,
+                    "fetch": None
+                    if s.fetch is None
+                    else {
+                        "source": s.fetch.source,
+                        "bytes_done": s.fetch.bytes_done,
+                        "bytes_total": s.fetch.bytes_total,
+                        "percent": None if s.fetch.percent is None else round(s.fetch.percent, 1),
+                    },
+                }
+                for s in r.shards
+            ],
         }
 
     def model_status(self, name: str) -> dict:
@@ -932,19 +1077,20 @@ class Reconciler:
         b = self._backoff.get(name)
         return {
             "target": self.target(entry, now) if entry is not None and entry.model.managed else None,
-            "replicas": {s: sum(1 for r in rs if r.state == s) for s in REPLICA_STATES if any(r.state == s for r in rs)},
+            # orjson takes only plain str keys.
+            "replicas": {s.value: n for s in ReplicaState if (n := sum(1 for r in rs if r.state is s))},
             "problem": self.problems.get(name),
-            "backoff": None if b is None or now >= b.next_at else {
-                "failures": b.failures, "retry_in_s": round(b.next_at - now, 1), "last_failure": b.last_reason},
+            "backoff": None
+            if b is None or now >= b.next_at
+            else {"failures": b.failures, "retry_in_s": round(b.next_at - now, 1), "last_failure": b.last_reason},
         }
 
-    def node_state(self, node: Node) -> str:
+    def node_state(self, node: Node) -> NodeState | NodeMark:
         mark = self.marks.get(node.node_id)
-        if node.state != NodeState.READY or mark is None:
-            return node.state.value
+        if node.state is not NodeState.READY or mark is None:
+            return node.state
         return mark
 
 
 def _pool(profile: ProfileConfig, fabric: str | None) -> str:
     return f"{fabric or 'none'}/{profile.gpu_class or 'cpu'}"
-

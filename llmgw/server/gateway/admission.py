@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmgw.errors import LlmgwError
 from llmgw.server.gateway.principal import BANDS, DEFAULT_BAND
 
 if TYPE_CHECKING:
@@ -69,8 +70,9 @@ def _measured(ep: Endpoint) -> bool:
     return ep.names is not None
 
 
-def pool_saturation(endpoints: EndpointSet, model: str, healthy_waiting: float, kv_ceiling: float,
-                    *, now: float | None = None) -> float:
+def pool_saturation(
+    endpoints: EndpointSet, model: str, healthy_waiting: float, kv_ceiling: float, *, now: float | None = None
+) -> float:
     """How full a model's pool is; 1.0 is the healthy limit.
 
     The worse of
@@ -144,11 +146,12 @@ def pool_capacity(endpoints: EndpointSet, model: str, healthy_waiting: float, *,
 # --- the queue ---------------------------------------------------------------
 
 
-class AdmissionRejected(Exception):
+class AdmissionRejected(LlmgwError):
     """Admission turned a request away: answer ``status`` with ``Retry-After``."""
 
-    def __init__(self, message: str, *, band: str, reason: str, retry_after: float,
-                 status: int = 503, code: str = "overloaded") -> None:
+    def __init__(
+        self, message: str, *, band: str, reason: str, retry_after: float, status: int = 503, code: str = "overloaded"
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.band = band
@@ -186,8 +189,7 @@ class _Waiter:
 class _Pool:
     # One round-robin per band: tenant -> its waiters, oldest first. The first
     # tenant is next; after its turn it moves to the end.
-    bands: list[OrderedDict[str, deque[_Waiter]]] = field(
-        default_factory=lambda: [OrderedDict() for _ in BANDS])
+    bands: list[OrderedDict[str, deque[_Waiter]]] = field(default_factory=lambda: [OrderedDict() for _ in BANDS])
     depth: int = 0
     inflight: int = 0  # tickets out and not yet released
 
@@ -199,25 +201,30 @@ class _Pool:
 class AdmissionStats:
     """What the metrics module exports."""
 
-    queue_depth: dict[str, int]                  # llmgw_admission_queue_depth{model}
+    queue_depth: dict[str, int]  # llmgw_admission_queue_depth{model}
     queue_depth_by_band: dict[tuple[str, str], int]  # (model, band) -> waiters
-    saturation: dict[str, float]                 # llmgw_pool_saturation{model}
-    inflight: dict[str, int]                     # admitted and not yet released, per model
-    rejected: dict[str, int]                     # llmgw_admission_rejected_total{band}, every band present
+    saturation: dict[str, float]  # llmgw_pool_saturation{model}
+    inflight: dict[str, int]  # admitted and not yet released, per model
+    rejected: dict[str, int]  # llmgw_admission_rejected_total{band}, every band present
 
 
 class Admission:
     """Per-model admission queues. One per gateway process; not thread-safe (one event loop)."""
 
-    def __init__(self, config: AdmissionConfig, saturation: Callable[[str], float], *,
-                 capacity: Callable[[str], float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        saturation: Callable[[str], float],
+        *,
+        capacity: Callable[[str], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self._saturation = saturation
         self._capacity = capacity or (lambda _model: config.healthy_waiting)
         self._clock = clock
         self._pools: dict[str, _Pool] = {}
-        self.rejected: dict[str, int] = {b: 0 for b in BANDS}
+        self.rejected: dict[str, int] = dict.fromkeys(BANDS, 0)
 
     # The request path ------------------------------------------------------
 
@@ -398,18 +405,26 @@ class Admission:
     def _error(self, model: str, band: str, reason: str) -> AdmissionRejected:
         ra = self.config.retry_after
         if reason == "timeout":
-            why = (f"a '{band}' band request waited {self.config.queue_timeout:g}s for model '{model}' "
-                   "without its turn coming")
+            why = (
+                f"a '{band}' band request waited {self.config.queue_timeout:g}s for model '{model}' "
+                "without its turn coming"
+            )
         elif reason == "shed":
-            why = (f"the admission queue of model '{model}' is full and this '{band}' band request "
-                   "gave way to a higher band")
+            why = (
+                f"the admission queue of model '{model}' is full and this '{band}' band request "
+                "gave way to a higher band"
+            )
         else:
-            why = (f"the admission queue of model '{model}' is full and no waiter is in a lower band "
-                   f"than this '{band}' band request")
+            why = (
+                f"the admission queue of model '{model}' is full and no waiter is in a lower band "
+                f"than this '{band}' band request"
+            )
         return AdmissionRejected(
             f"the gateway is overloaded: {why}; retry after {max(1, math.ceil(ra))} seconds, "
             "or send fewer requests at once",
-            band=band, reason=reason, retry_after=ra,
+            band=band,
+            reason=reason,
+            retry_after=ra,
         )
 
     def _make_room(self, model: str, pool: _Pool, band: str) -> None:

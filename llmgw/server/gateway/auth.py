@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from datetime import datetime, timezone
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Protocol
+
+from llmgw.errors import LlmgwError
 
 log = logging.getLogger("llmgw.gateway.auth")
 
@@ -22,6 +25,7 @@ class KeySource(Protocol):
     async def keys_generation(self) -> int: ...
     async def active_keys(self) -> Sequence: ...
     async def revoked_key_hashes(self) -> Sequence[tuple[str, datetime]]: ...
+
     # Optional: tenancy_snapshot() -> llmgw.store.Tree (with people and limits). A source
     # without it gives principals with no tree, only the cluster defaults.
 
@@ -42,8 +46,7 @@ def _chain(key, tree) -> list[tuple[str, object]]:
     return [(pool_key, lims.get((scope, sid))) for scope, sid, pool_key in levels]
 
 
-def build_principal(key, tree=None, default_rpm: int | None = None,
-                    default_tpm: int | None = None) -> Principal:
+def build_principal(key, tree=None, default_rpm: int | None = None, default_tpm: int | None = None) -> Principal:
     """A key's principal: its band (the key's, else the nearest level's up the tree, else
     normal), a pool for every level that sets a rate or a budget, the cluster defaults
     as the key's own `default:` pool for each kind no level limits, and the models the
@@ -60,9 +63,11 @@ def build_principal(key, tree=None, default_rpm: int | None = None,
         if lim.models is not None:
             allowed = frozenset(lim.models)
             models = allowed if models is None else models & allowed
-    default = Pool(f"default:{key.id}",
-                   default_rpm if not any(p.rpm is not None for p in pools) else None,
-                   default_tpm if not any(p.tpm is not None for p in pools) else None)
+    default = Pool(
+        f"default:{key.id}",
+        default_rpm if not any(p.rpm is not None for p in pools) else None,
+        default_tpm if not any(p.tpm is not None for p in pools) else None,
+    )
     if default.rpm is not None or default.tpm is not None:
         # The defaults are the key's own: a key-level entry, right after the key's pool.
         at = 1 if pools and pools[0].scope == "key" else 0
@@ -75,15 +80,21 @@ def build_principal(key, tree=None, default_rpm: int | None = None,
                 band = lim.band
                 break
     return Principal(
-        key_id=key.id, key_prefix=key.prefix,
+        key_id=key.id,
+        key_prefix=key.prefix,
         project=proj.path if proj is not None else (None if getattr(key, "user_id", None) else key.project),
-        expires_at=key.expires_at, project_id=proj.id if proj else None,
-        team_id=proj.team_id if proj else None, org_id=proj.org_id if proj else None,
-        user_id=getattr(key, "user_id", None), band=band or DEFAULT_BAND,
-        pools=tuple(pools), models=models)
+        expires_at=key.expires_at,
+        project_id=proj.id if proj else None,
+        team_id=proj.team_id if proj else None,
+        org_id=proj.org_id if proj else None,
+        user_id=getattr(key, "user_id", None),
+        band=band or DEFAULT_BAND,
+        pools=tuple(pools),
+        models=models,
+    )
 
 
-class AuthError(Exception):
+class AuthError(LlmgwError):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.message = message
@@ -93,8 +104,14 @@ class AuthError(Exception):
 class KeyCache:
     """Maps sha256(secret) to a principal; revoked keys are kept to say so."""
 
-    def __init__(self, source: KeySource, poll_interval: float = 1.0, *,
-                 default_rpm: int | None = None, default_tpm: int | None = None) -> None:
+    def __init__(
+        self,
+        source: KeySource,
+        poll_interval: float = 1.0,
+        *,
+        default_rpm: int | None = None,
+        default_tpm: int | None = None,
+    ) -> None:
         self._source = source
         self._poll = poll_interval
         self.default_rpm = default_rpm
@@ -154,8 +171,10 @@ class KeyCache:
         if not header.isascii():
             # aiohttp hands bytes above 0x7f through as surrogates, which no key holds (and
             # which would not even encode for hashing).
-            raise AuthError("the api key holds characters that are not ASCII; keys are ASCII letters, "
-                            "digits, '-' and '_'", "invalid_api_key")
+            raise AuthError(
+                "the api key holds characters that are not ASCII; keys are ASCII letters, digits, '-' and '_'",
+                "invalid_api_key",
+            )
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise AuthError("the Authorization header should be 'Bearer <key>'", "invalid_api_key")
@@ -168,6 +187,6 @@ class KeyCache:
             if digest in self._suspended:
                 raise AuthError("the account that owns this api key is suspended", "suspended_api_key")
             raise AuthError("the api key is not valid", "invalid_api_key")
-        if p.expires_at is not None and p.expires_at <= datetime.now(timezone.utc):
+        if p.expires_at is not None and p.expires_at <= datetime.now(UTC):
             raise AuthError(f"this api key expired on {p.expires_at:%Y-%m-%d %H:%M} UTC", "expired_api_key")
         return p

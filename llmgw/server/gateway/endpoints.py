@@ -65,8 +65,10 @@ def read_endpoint_key(ref: str | None) -> str | None:
 
 
 _REFUSED = (401, 403)
-_KEY_REFUSED = ("; the engine wants a key llmgw does not send, or refuses the one it sends "
-                "(an engine of server.yaml takes it from its endpoint's api_key)")
+_KEY_REFUSED = (
+    "; the engine wants a key llmgw does not send, or refuses the one it sends "
+    "(an engine of server.yaml takes it from its endpoint's api_key)"
+)
 
 
 def _first(values: dict[str, float], names: tuple[str, ...]) -> float | None:
@@ -80,15 +82,45 @@ class Endpoint:
     """One engine serving one model, and everything the router knows about it."""
 
     __slots__ = (
-        "model", "url", "engine", "upstream_model", "names",
-        "inflight", "waiting", "running", "kv_usage", "scraped_at",
-        "healthy", "health_detail", "failures", "open_until", "cooldown", "trial_inflight",
-        "_breaker_failures", "_breaker_cooldown", "prefixes",
-        "_api_key", "auth_headers", "post_headers", "alive_at", "slots_seen", "inflight_at_scrape", "queues_seen",
+        "_api_key",
+        "_breaker_cooldown",
+        "_breaker_failures",
+        "alive_at",
+        "auth_headers",
+        "cooldown",
+        "engine",
+        "failures",
+        "health_detail",
+        "healthy",
+        "inflight",
+        "inflight_at_scrape",
+        "kv_usage",
+        "model",
+        "names",
+        "open_until",
+        "post_headers",
+        "prefixes",
+        "queues_seen",
+        "running",
+        "scraped_at",
+        "slots_seen",
+        "trial_inflight",
+        "upstream_model",
+        "url",
+        "waiting",
     )
 
-    def __init__(self, model: str, url: str, engine: str, upstream_model: str | None,
-                 breaker_failures: int = 3, breaker_cooldown: float = 10.0, *, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        url: str,
+        engine: str,
+        upstream_model: str | None,
+        breaker_failures: int = 3,
+        breaker_cooldown: float = 10.0,
+        *,
+        api_key: str | None = None,
+    ) -> None:
         self.model = model
         self.url = url
         self.engine = engine
@@ -167,8 +199,14 @@ class Endpoint:
                     # A failed trial: wait longer before the next one, up to a minute.
                     self.cooldown = min(self.cooldown * 2, 60.0)
                 self.open_until = now + self.cooldown
-                log.warning("endpoint %s (%s) taken out for %.0fs after %d failures: %s",
-                            self.url, self.model, self.cooldown, self.failures, why)
+                log.warning(
+                    "endpoint %s (%s) taken out for %.0fs after %d failures: %s",
+                    self.url,
+                    self.model,
+                    self.cooldown,
+                    self.failures,
+                    why,
+                )
 
     def load(self, now: float, stale_after: float) -> float:
         """Requests ahead of a new one here; KV use breaks ties."""
@@ -204,8 +242,9 @@ class Endpoint:
 class EndpointSet:
     """All endpoints of all models, and the background work that keeps them current."""
 
-    def __init__(self, endpoints: list[Endpoint], scrape_interval: float, stale_after: float,
-                 connect_timeout: float) -> None:
+    def __init__(
+        self, endpoints: list[Endpoint], scrape_interval: float, stale_after: float, connect_timeout: float
+    ) -> None:
         self.endpoints = endpoints
         self.by_model: dict[str, list[Endpoint]] = {}
         for ep in endpoints:
@@ -218,8 +257,7 @@ class EndpointSet:
         # How to choose among a model's endpoints (routing.py); the gateway configures it.
         self.router = Router()
 
-    def choose(self, model: str, exclude: tuple[Endpoint, ...] = (),
-               blocks: tuple[int, ...] = ()) -> Endpoint | None:
+    def choose(self, model: str, exclude: tuple[Endpoint, ...] = (), blocks: tuple[int, ...] = ()) -> Endpoint | None:
         """An available endpoint of a model, not in ``exclude``, as the model's routing
         strategy picks it (``blocks``: the request's prompt block hashes, for prefix
         routing). Without blocks, prefix routing is least loaded, ties at random."""
@@ -227,8 +265,11 @@ class EndpointSet:
         stale = self.stale_after
         best = self.router.choose(
             model,
-            [(ep, ep.load(now, stale)) for ep in self.by_model.get(model, ())
-             if ep not in exclude and ep.available(now)],
+            [
+                (ep, ep.load(now, stale))
+                for ep in self.by_model.get(model, ())
+                if ep not in exclude and ep.available(now)
+            ],
             blocks,
         )
         if best is not None and best.failures:
@@ -318,7 +359,7 @@ class EndpointSet:
                         elif r.status in _REFUSED:
                             # It would refuse every request too (llama-server guards both alike).
                             ok, detail = False, f"GET /metrics answered {r.status}" + _KEY_REFUSED
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             ok, detail = False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         except asyncio.CancelledError:
             raise

@@ -27,7 +27,9 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     )
 
 
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, code, param),
-                        content_type="application/json", headers=headers)
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status, body=error_body(status, message, code, param), content_type="application/json", headers=headers
+    )

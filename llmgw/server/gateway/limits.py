@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from llmgw.errors import LlmgwError
 from llmgw.server.gateway.principal import Pool, Principal
 
 MICROS = 1_000_000
@@ -56,11 +57,17 @@ def to_micros(whole_units: float) -> int:
     return round(whole_units * MICROS)
 
 
-class LimitError(Exception):
+class LimitError(LlmgwError):
     """A refusal: the HTTP status, a sentence for the client, a code, and headers to send."""
 
-    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -79,10 +86,11 @@ class Pricing:
     fallback price exists; a nonzero fallback price prices every other model.
     """
 
-    __slots__ = ("_table", "_default")
+    __slots__ = ("_default", "_table")
 
-    def __init__(self, table: Mapping[str, tuple[float, float]] | None = None,
-                 default: tuple[float, float] | None = None):
+    def __init__(
+        self, table: Mapping[str, tuple[float, float]] | None = None, default: tuple[float, float] | None = None
+    ):
         self._table: dict[str, tuple[int, int]] = {
             model: (to_micros(p), to_micros(c)) for model, (p, c) in (table or {}).items()
         }
@@ -133,7 +141,7 @@ class _Window:
     A charge is identified by its second, so it can be settled or refunded later.
     """
 
-    __slots__ = ("cap", "used", "slots", "head")
+    __slots__ = ("cap", "head", "slots", "used")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -214,7 +222,7 @@ class _Window:
 class _Spend:
     """What a pool spent in the current UTC day and month, in micro-units."""
 
-    __slots__ = ("day_key", "day", "month_key", "month")
+    __slots__ = ("day", "day_key", "month", "month_key")
 
     def __init__(self) -> None:
         self.day_key = self.month_key = -1
@@ -367,8 +375,13 @@ def duration(s: float) -> str:
 class Accountant:
     """Enforces every pool of a principal; see the module's docstring for the rules."""
 
-    def __init__(self, pricing: Pricing | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], datetime] = utcnow):
+    def __init__(
+        self,
+        pricing: Pricing | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], datetime] = utcnow,
+    ):
         self.pricing = pricing if pricing is not None else Pricing()
         self._clock = clock
         self._wall = wall
@@ -382,8 +395,9 @@ class Accountant:
 
     # ------------------------------------------------------------------ check
 
-    def check(self, principal: Principal, model: str, estimated_prompt: int,
-              estimated_completion: int = 0) -> Reservation:
+    def check(
+        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+    ) -> Reservation:
         """Admit one request or raise LimitError. Charges one request and the estimated tokens on every
         rate pool, and holds the estimated cost (priced as prompt and completion) on every budget pool."""
         allowed = principal.models
@@ -432,12 +446,28 @@ class Accountant:
             held = self._held
             for k in hold_keys:
                 held[k] = held.get(k, 0) + hold
-        return Reservation(principal, model, pools, est, now, rpm_taken=rpm_taken, tpm_taken=tpm_taken,
-                           held_micros=hold if hold_keys else 0, held_pools=tuple(hold_keys) if hold else ())
+        return Reservation(
+            principal,
+            model,
+            pools,
+            est,
+            now,
+            rpm_taken=rpm_taken,
+            tpm_taken=tpm_taken,
+            held_micros=hold if hold_keys else 0,
+            held_pools=tuple(hold_keys) if hold else (),
+        )
 
-    def _charge(self, table: dict[str, _Window], pools: tuple[Pool, ...], kind: str, amount: float, now: float,
-                principal: Principal, earlier: list[tuple[_Window, int, float]] | tuple
-                ) -> list[tuple[_Window, int, float]]:
+    def _charge(
+        self,
+        table: dict[str, _Window],
+        pools: tuple[Pool, ...],
+        kind: str,
+        amount: float,
+        now: float,
+        principal: Principal,
+        earlier: list[tuple[_Window, int, float]] | tuple,
+    ) -> list[tuple[_Window, int, float]]:
         """Charge ``amount`` on every pool limiting ``kind`` (rpm or tpm), or refund what this
         request was charged so far (``earlier`` included) and refuse."""
         taken: list[tuple[_Window, int, float]] = []
@@ -458,12 +488,21 @@ class Accountant:
             self._refund(earlier, now)
             wait = w.wait_for(now, need)
             if kind == "rpm":
-                msg, code = f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute", "rate_limited"
+                msg, code = (
+                    f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute",
+                    "rate_limited",
+                )
             else:
-                msg, code = (f"the token rate of {describe(pool.key)} is at its limit of {cap} a minute "
-                             f"(this request needs about {amount:.0f})"), "tokens_limited"
-            raise LimitError(429, f"{msg}; retry in {_seconds(wait)}", code, wait,
-                             self._refusal_headers(principal, now, wait))
+                msg, code = (
+                    (
+                        f"the token rate of {describe(pool.key)} is at its limit of {cap} a minute "
+                        f"(this request needs about {amount:.0f})"
+                    ),
+                    "tokens_limited",
+                )
+            raise LimitError(
+                429, f"{msg}; retry in {_seconds(wait)}", code, wait, self._refusal_headers(principal, now, wait)
+            )
         return taken
 
     @staticmethod
@@ -476,15 +515,19 @@ class Accountant:
         assert pool.budget_micros is not None
         if spent >= pool.budget_micros:
             wait = max((ends - self._wall_now()).total_seconds(), 1.0)
-            msg = (f"the budget of {describe(pool.key)} is spent for this {pool.period} "
-                   f"({_money(spent)} of {_money(pool.budget_micros)}); it resets at {ends:%Y-%m-%d %H:%M} UTC")
+            msg = (
+                f"the budget of {describe(pool.key)} is spent for this {pool.period} "
+                f"({_money(spent)} of {_money(pool.budget_micros)}); it resets at {ends:%Y-%m-%d %H:%M} UTC"
+            )
             return LimitError(429, msg, "budget_spent", wait, self._refusal_headers(principal, self._clock(), wait))
         # Not spent yet, but requests in progress may spend the rest: what they leave unspent
         # comes back when they finish, so retrying soon may succeed.
         wait = _HELD_RETRY
-        msg = (f"the budget of {describe(pool.key)} for this {pool.period} is taken up by requests in progress "
-               f"({_money(spent)} spent and up to {_money(held)} held of {_money(pool.budget_micros)}); "
-               f"retry in {_seconds(wait)}, when some have finished")
+        msg = (
+            f"the budget of {describe(pool.key)} for this {pool.period} is taken up by requests in progress "
+            f"({_money(spent)} spent and up to {_money(held)} held of {_money(pool.budget_micros)}); "
+            f"retry in {_seconds(wait)}, when some have finished"
+        )
         return LimitError(429, msg, "budget_held", wait, self._refusal_headers(principal, self._clock(), wait))
 
     def _refusal_headers(self, principal: Principal, now: float, wait: float) -> dict[str, str]:
@@ -611,15 +654,20 @@ class Accountant:
                 if budget is None or frac > budget[0]:
                     budget = (frac, spent, pool.budget_micros, pool)
         return RateStatus(
-            requests_limit=r[1] if r else None, requests_remaining=r[0] if r else None,
+            requests_limit=r[1] if r else None,
+            requests_remaining=r[0] if r else None,
             requests_pool=r[2] if r else None,
-            tokens_limit=t[1] if t else None, tokens_remaining=t[0] if t else None,
+            tokens_limit=t[1] if t else None,
+            tokens_remaining=t[0] if t else None,
             tokens_pool=t[2] if t else None,
-            budget_micros=budget[2] if budget else None, spent_micros=budget[1] if budget else None,
-            budget_pool=budget[3].key if budget else None, period=budget[3].period if budget else None,
+            budget_micros=budget[2] if budget else None,
+            spent_micros=budget[1] if budget else None,
+            budget_pool=budget[3].key if budget else None,
+            period=budget[3].period if budget else None,
             resets_at=per.ends(budget[3].period) if budget and per else None,
             held_micros=self._held.get(budget[3].key, 0) if budget else None,
-            requests_reset=r[3] if r else None, tokens_reset=t[3] if t else None,
+            requests_reset=r[3] if r else None,
+            tokens_reset=t[3] if t else None,
         )
 
     def spent(self, pool_key: str, period: str = "month") -> int:
@@ -632,7 +680,9 @@ class Accountant:
 
     # ---------------------------------------------------------------- restore
 
-    def restore(self, rows: Iterable[tuple[str | None, str | None, str | None, str | None, str | None, int, datetime]]) -> None:
+    def restore(
+        self, rows: Iterable[tuple[str | None, str | None, str | None, str | None, str | None, int, datetime]]
+    ) -> None:
         """Fold recorded spend into every pool a row belongs to, so budgets survive a restart.
 
         Each row is (key_id, user_id, project_id, team_id, org_id, cost_micros, at). Rows of the

@@ -13,20 +13,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from llmgw.config.server import ModelConfig, ServerConfig
-from llmgw.server.gateway.admission import (Admission, AdmissionRejected, Ticket, effective_band, pool_capacity,
-                                            pool_saturation)
+from llmgw.errors import LlmgwError
+from llmgw.server.gateway.admission import (
+    Admission,
+    AdmissionRejected,
+    Ticket,
+    effective_band,
+    pool_capacity,
+    pool_saturation,
+)
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.limits import Accountant, LimitError, Pricing, Reservation
+from llmgw.server.gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, Call, Refusal, Route, ServedModel, read_request
 from llmgw.server.gateway.routing import RouterCollector
 from llmgw.server.gateway.usage import UsageRecorder
 from llmgw.server.metrics import GatewayMetrics
@@ -44,19 +52,21 @@ BAND_HEADER = "X-Llmgw-Band"
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
 
 # Headers of an engine's reply that describe the connection, not the content.
-_HOP_HEADERS = frozenset({
-    "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-    "server", "date", "proxy-authenticate", "upgrade", "trailer", "te",
-})
-
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    name: str
-    aliases: tuple[str, ...]
-    description: str | None
-    max_output: int | None
-    managed: bool = False  # run by the control plane: it may have to be loaded first
+_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "server",
+        "date",
+        "proxy-authenticate",
+        "upgrade",
+        "trailer",
+        "te",
+    }
+)
 
 
 class Demand(Protocol):
@@ -65,21 +75,6 @@ class Demand(Protocol):
     def touch(self, model: str) -> None: ...
 
     async def wait_ready(self, model: str) -> str | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    """One OpenAI route: its upstream path and what its body must hold."""
-
-    name: str
-    path: str
-    required: str  # the field without which the request makes no sense
-    streams: bool
-
-
-CHAT = Route("chat", "/v1/chat/completions", "messages", True)
-COMPLETIONS = Route("completions", "/v1/completions", "prompt", True)
-EMBEDDINGS = Route("embeddings", "/v1/embeddings", "input", False)
 
 
 class _EventStream(web.StreamResponse):
@@ -98,7 +93,7 @@ class _EventStream(web.StreamResponse):
 _UNREACHABLE = "the model's engine could not be reached"
 
 
-def _log_engine_error(ep: Endpoint, served: "ServedModel", what: str) -> None:
+def _log_engine_error(ep: Endpoint, served: ServedModel, what: str) -> None:
     log.warning("engine %s (%s): %s", ep.url, served.name, what)
 
 
@@ -112,7 +107,7 @@ class _FirstByteWatch:
     check runs on a timer, not a task, so the request path pays one timer handle.
     """
 
-    __slots__ = ("ep", "limit", "deadline", "handle", "fired")
+    __slots__ = ("deadline", "ep", "fired", "handle", "limit")
 
     def __init__(self, ep: Endpoint, limit: float) -> None:
         self.ep = ep
@@ -143,7 +138,7 @@ class _FirstByteWatch:
             self.handle = None
 
 
-class _StreamCut(Exception):
+class _StreamCut(LlmgwError):
     """The engine's stream broke after the client had already received bytes."""
 
 
@@ -166,8 +161,14 @@ _OUTPUT_FIELDS_SEEN = {
 
 
 class Gateway:
-    def __init__(self, config: ServerConfig, keys: KeyCache | None, endpoints: EndpointSet,
-                 usage: UsageRecorder | None, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        keys: KeyCache | None,
+        endpoints: EndpointSet,
+        usage: UsageRecorder | None,
+        metrics: GatewayMetrics,
+    ) -> None:
         self.config = config
         self.keys = keys if config.auth.enabled else None
         self.endpoints = endpoints
@@ -191,8 +192,10 @@ class Gateway:
         self.admission: Admission | None = None
         if a.enabled:
             self.admission = Admission(
-                a, lambda m: pool_saturation(endpoints, m, a.healthy_waiting, a.kv_ceiling),
-                capacity=lambda m: pool_capacity(endpoints, m, a.healthy_waiting))
+                a,
+                lambda m: pool_saturation(endpoints, m, a.healthy_waiting, a.kv_ceiling),
+                capacity=lambda m: pool_capacity(endpoints, m, a.healthy_waiting),
+            )
             metrics.watch_admission(self.admission, lambda: list(endpoints.by_model))
         self._admission_task: asyncio.Task | None = None
         t = config.timeouts
@@ -230,12 +233,14 @@ class Gateway:
     async def start(self) -> None:
         # No per-host limit: the engines queue for themselves and report it.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                              auto_decompress=False, skip_auto_headers=("User-Agent",))
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
         if self.admission is not None:
             # Waiters move when fresh engine numbers arrive, not only when a request ends.
-            self._admission_task = asyncio.create_task(self.admission.run(self.config.router.scrape_interval),
-                                                       name="admission")
+            self._admission_task = asyncio.create_task(
+                self.admission.run(self.config.router.scrape_interval), name="admission"
+            )
 
     async def stop(self) -> None:
         if self._admission_task is not None:
@@ -277,8 +282,12 @@ class Gateway:
         name = request.match_info["model"]
         body = self._model_bodies.get(name)
         if body is None:
-            return error_response(404, f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
-                                  "model_not_found", "model")
+            return error_response(
+                404,
+                f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
+                "model_not_found",
+                "model",
+            )
         return web.Response(body=body, content_type="application/json")
 
     # -- the proxy ----------------------------------------------------------
@@ -286,10 +295,12 @@ class Gateway:
     def _handler(self, route: Route):
         async def handle(request: web.Request) -> web.StreamResponse:
             return await self._proxy(request, route)
+
         return handle
 
-    def _refuse(self, route: Route, model: str, status: int, message: str, code: str | None,
-                param: str | None = None) -> web.Response:
+    def _refuse(
+        self, route: Route, model: str, status: int, message: str, code: str | None, param: str | None = None
+    ) -> web.Response:
         self.metrics.count_request(model, route.name, status)
         return error_response(status, message, code, param)
 
@@ -310,49 +321,17 @@ class Gateway:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return self._refuse(route, "", 400, f"the request body is not valid JSON: {exc}", "invalid_json")
-        if not isinstance(body, dict):
-            return self._refuse(route, "", 400, "the request body should be a JSON object", "invalid_request")
-        name = body.get("model")
-        if not isinstance(name, str) or not name:
-            return self._refuse(route, "", 400, "'model' is required: the name of a model from GET /v1/models",
-                                "missing_field", "model")
-        served = self.models.get(name)
-        if served is None:
-            return self._refuse(route, "", 404, f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
-                                "model_not_found", "model")
-        if route.required not in body:
-            return self._refuse(route, served.name, 400, f"'{route.required}' is required for {route.path}",
-                                "missing_field", route.required)
-        if route.name == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
-            return self._refuse(route, served.name, 400, "'messages' should be a non-empty list of messages",
-                                "invalid_request", "messages")
-        stream = body.get("stream", False) if route.streams else False
-        if not isinstance(stream, bool):
-            return self._refuse(route, served.name, 400, "'stream' should be true or false", "invalid_request", "stream")
-        out_limit: int | None = None
-        changed = False
-        if route.streams:  # the routes that generate; embeddings have no output to cap
-            try:
-                out_limit, changed = _output_limit(body, served.max_output)
-            except _BadField as exc:
-                return self._refuse(route, served.name, 400, exc.message, exc.code, exc.field)
-
-        client_wants_usage = True
-        if stream:
-            opts = body.get("stream_options")
-            if opts is None:
-                opts = {}
-            elif not isinstance(opts, dict):
-                return self._refuse(route, served.name, 400, "'stream_options' should be an object",
-                                    "invalid_request", "stream_options")
-            client_wants_usage = opts.get("include_usage") is True
-            if not client_wants_usage:
-                body["stream_options"] = {**opts, "include_usage": True}
-                changed = True
+        call = read_request(route, body, self.models)
+        if isinstance(call, Refusal):
+            return self._refuse(route, call.model, call.status, call.message, call.code, call.param)
+        call.principal = principal
+        call.raw = raw
+        call.t0 = t0
+        served = call.served
         res: Reservation | None = None
         if self.accountant is not None and (principal.pools or principal.models is not None):
             try:
-                res = self.accountant.check(principal, served.name, *_estimate(raw, out_limit, served))
+                res = call.res = self.accountant.check(principal, served.name, *_estimate(raw, call.out_limit, served))
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
                 return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None)
@@ -368,8 +347,7 @@ class Gateway:
                     except AdmissionRejected as exc:
                         self.metrics.count_request(served.name, route.name, exc.status)
                         return error_response(exc.status, exc.message, exc.code, headers=exc.headers())
-            resp = await self._forward(request, route, principal, served, name, body, raw, changed, stream,
-                                       client_wants_usage, t0, res)
+            resp = await self._forward(request, call)
             if res is not None and not resp.prepared:
                 resp.headers.update(self.accountant.headers(principal))
             return resp
@@ -381,13 +359,17 @@ class Gateway:
                 self.accountant.cancel(res)
 
     def _too_large(self, route: Route) -> web.Response:
-        return self._refuse(route, "", 413, f"the request body is larger than the {self.max_body} bytes this gateway accepts "
-                            "(router.max_body_bytes)", "request_too_large")
+        return self._refuse(
+            route,
+            "",
+            413,
+            f"the request body is larger than the {self.max_body} bytes this gateway accepts (router.max_body_bytes)",
+            "request_too_large",
+        )
 
-    async def _forward(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
-                       asked: str, body: dict, raw: bytes, changed: bool, stream: bool,
-                       client_wants_usage: bool, t0: float, res: Reservation | None = None) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, call: Call) -> web.StreamResponse:
         assert self._session is not None
+        route, served, body = call.route, call.served, call.body
         tried: tuple[Endpoint, ...] = ()
         upstream_time = 0.0
         last_error = "no endpoint of this model is ready"
@@ -404,8 +386,7 @@ class Gateway:
                 # getting an error it would have to retry.
                 problem = await demand.wait_ready(served.name)
                 if problem is not None:
-                    return self._finish_error(route, principal, served, asked, None, stream, t0, upstream_time,
-                                              503, problem, "model_not_ready", res)
+                    return self._finish_error(call, None, upstream_time, 503, problem, "model_not_ready")
                 ep = self.endpoints.choose(served.name, tried, blocks)
             if ep is None and tried:
                 # Every endpoint has been tried once; one that is still in (its breaker
@@ -419,8 +400,8 @@ class Gateway:
             upstream_model = ep.upstream_model or served.name
             if body.get("model") != upstream_model:
                 body["model"] = upstream_model
-                changed = True
-            payload = orjson.dumps(body) if changed else raw
+                call.changed = True
+            payload = orjson.dumps(body) if call.changed else call.raw
             ep.inflight += 1
             t_up = _perf()
             try:
@@ -428,8 +409,9 @@ class Gateway:
                 try:
                     async with asyncio.timeout(None) as deadline:
                         watch.arm(deadline)
-                        upstream = await self._session.post(ep.url + route.path, data=payload,
-                                                            headers=ep.post_headers)  # with the engine's key
+                        upstream = await self._session.post(
+                            ep.url + route.path, data=payload, headers=ep.post_headers
+                        )  # with the engine's key
                 except aiohttp.ConnectionTimeoutError as exc:
                     # Could not even connect: another endpoint may well answer.
                     upstream_time += _perf() - t_up
@@ -437,23 +419,31 @@ class Gateway:
                     _log_engine_error(ep, served, f"connect timed out: {exc}")
                     last_error, last_status = _UNREACHABLE, 502
                     continue
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     upstream_time += _perf() - t_up
                     if watch.fired:
                         # Frozen, not slow: it answered no health check either. Nothing has
                         # reached the client, so another replica may take the request.
                         ep.record_failure(f"sent nothing for {self._first_byte:g}s and answered no health check")
-                        log.warning("%s (%s) sent nothing for %gs and answered no health check; trying "
-                                    "another replica", ep.url, served.name, self._first_byte)
-                        last_error = (f"the engine sent nothing within {self._first_byte:g}s "
-                                      "(timeouts.first_byte)")
+                        log.warning(
+                            "%s (%s) sent nothing for %gs and answered no health check; trying another replica",
+                            ep.url,
+                            served.name,
+                            self._first_byte,
+                        )
+                        last_error = f"the engine sent nothing within {self._first_byte:g}s (timeouts.first_byte)"
                         last_status = 504
                         continue
                     ep.record_failure("timed out")
                     # The engine may simply be slow; trying another one would double the wait.
-                    return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, 504,
-                                              f"the engine did not answer within {self.config.timeouts.generation:g}s "
-                                              "(timeouts.generation)", "upstream_timeout", res)
+                    return self._finish_error(
+                        call,
+                        ep,
+                        upstream_time,
+                        504,
+                        f"the engine did not answer within {self.config.timeouts.generation:g}s (timeouts.generation)",
+                        "upstream_timeout",
+                    )
                 except aiohttp.ClientError as exc:
                     upstream_time += _perf() - t_up
                     ep.record_failure(str(exc) or type(exc).__name__)
@@ -470,12 +460,9 @@ class Gateway:
                     _log_engine_error(ep, served, f"answered {upstream.status}: {detail.decode(errors='replace')}")
                     last_error, last_status = f"the model's engine answered {upstream.status}", 502
                     continue
-                if stream and upstream.status == 200 and upstream.content_type == "text/event-stream":
-                    return await self._stream(request, route, principal, served, asked, ep, upstream,
-                                              client_wants_usage, t0, t_up, upstream_time, res,
-                                              _prompt_estimate(raw))
-                return await self._whole(route, principal, served, asked, ep, upstream, stream, t0, t_up, upstream_time,
-                                         res)
+                if call.stream and upstream.status == 200 and upstream.content_type == "text/event-stream":
+                    return await self._stream(request, call, ep, upstream, t_up, upstream_time)
+                return await self._whole(call, ep, upstream, t_up, upstream_time)
             except asyncio.CancelledError:
                 # The client went away; aiohttp cancels the handler, which drops the
                 # engine request too, so the engine stops working for nobody. A stream
@@ -484,44 +471,48 @@ class Gateway:
                     # Nothing reached the client, but the engine read the prompt: that much is
                     # charged, so leaving early is no way round a tokens-per-minute limit.
                     self.metrics.count_request(served.name, route.name, 499)
-                    self._record(principal, served, asked, ep, _prompt_estimate(raw), 0, _perf() - t0, None, 499,
-                                 stream, res)
+                    self._record(call, ep, _prompt_estimate(call.raw), 0, _perf() - call.t0, None, 499)
                 raise
             finally:
                 ep.inflight -= 1
                 ep.trial_inflight = False
         if not tried:
-            status, message, code = 503, f"no endpoint of model '{served.name}' is ready; try again shortly", "no_healthy_endpoint"
+            status, message, code = (
+                503,
+                f"no endpoint of model '{served.name}' is ready; try again shortly",
+                "no_healthy_endpoint",
+            )
         else:
             status, message, code = last_status, last_error, "upstream_unavailable"
-        return self._finish_error(route, principal, served, asked, tried[-1] if tried else None, stream, t0,
-                                  upstream_time, status, message, code, res)
+        return self._finish_error(call, tried[-1] if tried else None, upstream_time, status, message, code)
 
-    def _finish_error(self, route: Route, principal: Principal, served: ServedModel, asked: str,
-                      ep: Endpoint | None, stream: bool, t0: float, upstream_time: float, status: int,
-                      message: str, code: str, res: Reservation | None = None) -> web.Response:
+    def _finish_error(
+        self, call: Call, ep: Endpoint | None, upstream_time: float, status: int, message: str, code: str
+    ) -> web.Response:
         resp = error_response(status, message, code)
-        elapsed = _perf() - t0
+        elapsed = _perf() - call.t0
         resp.headers["Server-Timing"] = _timing(elapsed - upstream_time, upstream_time)
-        self.metrics.count_request(served.name, route.name, status)
+        self.metrics.count_request(call.served.name, call.route.name, status)
         if ep is not None:
             # It reached an engine, so it is usage: an operator wants to see failures per key.
-            self._record(principal, served, asked, ep, 0, 0, elapsed, None, status, stream, res)
+            self._record(call, ep, 0, 0, elapsed, None, status)
         return resp
 
-    async def _whole(self, route: Route, principal: Principal, served: ServedModel, asked: str, ep: Endpoint,
-                     upstream: aiohttp.ClientResponse, stream: bool, t0: float, t_up: float,
-                     upstream_before: float, res: Reservation | None = None) -> web.StreamResponse:
+    async def _whole(
+        self, call: Call, ep: Endpoint, upstream: aiohttp.ClientResponse, t_up: float, upstream_before: float
+    ) -> web.StreamResponse:
+        served = call.served
         try:
             data = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             upstream.release()
             ep.record_failure(str(exc) or type(exc).__name__)
             upstream_time = upstream_before + _perf() - t_up
             status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
             _log_engine_error(ep, served, f"reply broke off: {exc or type(exc).__name__}")
-            return self._finish_error(route, principal, served, asked, ep, stream, t0, upstream_time, status,
-                                      "the model's engine broke off its reply", "upstream_error", res)
+            return self._finish_error(
+                call, ep, upstream_time, status, "the model's engine broke off its reply", "upstream_error"
+            )
         t_done = _perf()
         upstream.release()
         status = upstream.status
@@ -540,51 +531,59 @@ class Gateway:
                 if isinstance(usage, dict):
                     prompt, completion = _tokens(usage)
                 engine_name = obj.get("model")
-                if engine_name is not None and engine_name != asked:
+                if engine_name is not None and engine_name != call.asked:
                     # The client sees the name it asked for (an alias, say), not the engine's:
                     # the field's bytes replaced where they are plainly the top-level value (a
                     # large embeddings answer is not re-encoded), else the answer re-encoded.
                     field = _model_field(data)
-                    if (field and isinstance(engine_name, str)
-                            and field[field.index(b'"', 8) + 1:-1] == engine_name.encode()):
-                        data = data.replace(field, b'"model":' + orjson.dumps(asked), 1)
+                    if (
+                        field
+                        and isinstance(engine_name, str)
+                        and field[field.index(b'"', 8) + 1 : -1] == engine_name.encode()
+                    ):
+                        data = data.replace(field, b'"model":' + orjson.dumps(call.asked), 1)
                     else:
-                        obj["model"] = asked
+                        obj["model"] = call.asked
                         data = orjson.dumps(obj)
         if status >= 500:
             # An engine's own failure text may name its host, paths or devices: the operator
             # reads it in the log; the client reads what happened to its request.
             _log_engine_error(ep, served, f"answered {status}: {data[:500].decode(errors='replace')}")
-            data = error_body(status, f"the model's engine failed (it answered {status}); try again",
-                              "upstream_error")
+            data = error_body(status, f"the model's engine failed (it answered {status}); try again", "upstream_error")
             headers = {"Content-Type": "application/json"}
         else:
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         resp = web.Response(status=status, body=data, headers=headers)
         upstream_time = upstream_before + t_done - t_up
-        elapsed = _perf() - t0
+        elapsed = _perf() - call.t0
         resp.headers["Server-Timing"] = _timing(elapsed - upstream_time, upstream_time)
         self.metrics.overhead.observe(elapsed - upstream_time)
-        self.metrics.count_request(served.name, route.name, status)
+        self.metrics.count_request(served.name, call.route.name, status)
         self.metrics.observe_latency(served.name, elapsed)
         self.metrics.count_tokens(served.name, prompt, completion)
-        self._record(principal, served, asked, ep, prompt, completion, elapsed, None, status, stream, res)
+        self._record(call, ep, prompt, completion, elapsed, None, status)
         return resp
 
-    async def _stream(self, request: web.Request, route: Route, principal: Principal, served: ServedModel,
-                      asked: str, ep: Endpoint, upstream: aiohttp.ClientResponse, client_wants_usage: bool,
-                      t0: float, t_up: float, upstream_before: float,
-                      res: Reservation | None = None, prompt_guess: int = 0) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        call: Call,
+        ep: Endpoint,
+        upstream: aiohttp.ClientResponse,
+        t_up: float,
+        upstream_before: float,
+    ) -> web.StreamResponse:
         t_headers = _perf()
+        served, t0 = call.served, call.t0
         resp = _EventStream(status=200)
         resp.content_type = "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
         # Tells nginx not to buffer: a buffered stream arrives in one burst at the end.
         resp.headers["X-Accel-Buffering"] = "no"
-        if res is not None and self.accountant is not None:
+        if call.res is not None and self.accountant is not None:
             # A stream's headers leave before its tokens are known: they show the pools
             # with this request's estimate charged.
-            resp.headers.update(self.accountant.headers(principal))
+            resp.headers.update(self.accountant.headers(call.principal))
         upstream_time = upstream_before + t_headers - t_up
         own = _perf() - t0 - upstream_time
         resp.headers["Server-Timing"] = _timing(own, upstream_time)
@@ -594,7 +593,7 @@ class Gateway:
         patterns: tuple[tuple[bytes, bytes], ...] | None = None
         # The name the client asked for goes into every event's "model", by a bytes replacement of
         # the upstream's value (learned from the first event that has one): no event is decoded.
-        new_model = b'"model":' + orjson.dumps(asked)
+        new_model = b'"model":' + orjson.dumps(call.asked)
         old_model: bytes | None = None
         rename = True
         ttft: float | None = None
@@ -605,10 +604,11 @@ class Gateway:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             upstream.close()
             ep.record_success()
-            self._record(principal, served, asked, ep, 0, 0, _perf() - t0, None, 499, True, res)
-            self.metrics.count_request(served.name, route.name, 499)
+            self._record(call, ep, 0, 0, _perf() - t0, None, 499)
+            self.metrics.count_request(served.name, call.route.name, 499)
             return resp
         pending = b""
+        strip_usage = not call.client_wants_usage
         try:
             try:
                 async for chunk in upstream.content.iter_any():
@@ -621,7 +621,7 @@ class Gateway:
                     out, pending = data[:cut], data[cut:]
                     usage = None
                     if _has_usage(out):
-                        out, usage = _take_usage(out, strip=not client_wants_usage)
+                        out, usage = _take_usage(out, strip=strip_usage)
                         if usage is not None:
                             prompt, completion = _tokens(usage)
                             counted = True
@@ -629,7 +629,7 @@ class Gateway:
                             continue
                     if usage is None and not counted:
                         if patterns is None:
-                            patterns = _OUTPUT_FIELDS_SEEN[route.name, b'": "' in out]
+                            patterns = _OUTPUT_FIELDS_SEEN[call.route.name, b'": "' in out]
                         seen += _count_output(out, patterns)
                     if rename:
                         if old_model is None:
@@ -650,7 +650,7 @@ class Gateway:
                         if rename and old_model is not None:
                             pending = pending.replace(old_model, new_model)
                         await resp.write(pending)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 if isinstance(exc, aiohttp.ClientConnectionResetError):
                     raise
                 # The engine went away mid-stream. The client already has bytes, so no
@@ -679,93 +679,55 @@ class Gateway:
             # Cut before the engine's usage event: charge the output that passed (none, when
             # nothing reached the client yet), and the prompt as estimated at admission, which
             # the engine read either way (its own prompt count comes only with its usage event).
-            prompt, completion = prompt_guess, seen
+            prompt, completion = _prompt_estimate(call.raw), seen
         elapsed = _perf() - t0
         self.metrics.overhead.observe(own)
-        self.metrics.count_request(served.name, route.name, status)
+        self.metrics.count_request(served.name, call.route.name, status)
         self.metrics.observe_latency(served.name, elapsed)
         if ttft is not None:
             self.metrics.observe_ttft(served.name, ttft)
         self.metrics.count_tokens(served.name, prompt, completion)
-        self._record(principal, served, asked, ep, prompt, completion, elapsed, ttft, status, True, res)
+        self._record(call, ep, prompt, completion, elapsed, ttft, status)
         if cancelled is not None:
             request[_RECORDED] = True
             raise cancelled
         return resp
 
-    def _record(self, principal: Principal, served: ServedModel, asked: str, ep: Endpoint, prompt: int,
-                completion: int, elapsed: float, ttft: float | None, status: int, stream: bool,
-                res: Reservation | None = None) -> None:
+    def _record(
+        self, call: Call, ep: Endpoint, prompt: int, completion: int, elapsed: float, ttft: float | None, status: int
+    ) -> None:
+        res = call.res
         cost = 0
         if res is not None and self.accountant is not None:
             # Priced by the model that served it; tokens settled to what the engine counted.
             cost = self.accountant.settle(res, prompt, completion)
         if self.usage is None:
             return
-        self.usage.record(UsageRow(
-            key_id=principal.key_id, project=principal.project, model=asked, served_model=served.name,
-            endpoint=ep.url, prompt_tokens=prompt, completion_tokens=completion,
-            latency_ms=elapsed * 1000.0, ttft_ms=None if ttft is None else ttft * 1000.0,
-            status=status, stream=stream, user_id=principal.user_id, project_id=principal.project_id,
-            team_id=principal.team_id, org_id=principal.org_id, cost_micros=cost,
-        ))
+        principal = call.principal
+        self.usage.record(
+            UsageRow(
+                key_id=principal.key_id,
+                project=principal.project,
+                model=call.asked,
+                served_model=call.served.name,
+                endpoint=ep.url,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                latency_ms=elapsed * 1000.0,
+                ttft_ms=None if ttft is None else ttft * 1000.0,
+                status=status,
+                stream=call.stream,
+                user_id=principal.user_id,
+                project_id=principal.project_id,
+                team_id=principal.team_id,
+                org_id=principal.org_id,
+                cost_micros=cost,
+            )
+        )
 
 
-# What a request asks an engine to generate at most, by every name engines read it under:
-# OpenAI's two and llama.cpp's own (which llama.cpp prefers over the others).
-_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
 # Output tokens assumed for a request that sets no limit on a model with no max_output.
 _DEFAULT_OUTPUT = 256
-
-
-class _BadField(Exception):
-    """A field of the request the gateway cannot read: refused with 400, naming it."""
-
-    def __init__(self, field: str, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
-        self.code = code
-
-
-def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
-    """Read the request's output limit, the same way for each of _OUTPUT_FIELDS; returns it
-    (the largest given, None when none is) and whether the body was changed.
-
-    A whole number is read as such, 200.0 included (and sent on as 200, so the engine reads
-    what the gateway read); null is "not given". Anything else (200.5, a negative number, a
-    string, true/false) raises _BadField, as does a value above ``cap`` (the model's
-    max_output). With a cap, the engine is always sent a max_tokens, which every engine
-    reads: the cap when no limit was given, else the client's own n_predict (an engine that
-    does not know n_predict would otherwise run on to its context).
-    """
-    largest: int | None = None
-    changed = False
-    openai_named = False
-    for field in _OUTPUT_FIELDS:
-        v = body.get(field)
-        if v is None:
-            continue
-        if isinstance(v, float) and v.is_integer():
-            v = body[field] = int(v)
-            changed = True
-        elif isinstance(v, bool) or not isinstance(v, int):
-            shown = orjson.dumps(v).decode()[:40]
-            raise _BadField(field, f"'{field}' should be a whole number of tokens, not {shown}")
-        if v < 0:
-            raise _BadField(field, f"'{field}' is {v}; give a number of tokens of 0 or more, or leave it out")
-        if cap is not None and v > cap:
-            raise _BadField(field, f"{field} is {v}, but this model allows at most {cap}; ask for {cap} or "
-                            "fewer, or leave it out to get up to that", "max_tokens_too_large")
-        if field != "n_predict":
-            openai_named = True
-        if largest is None or v > largest:
-            largest = v
-    if cap is not None and not openai_named:
-        largest = cap if largest is None else largest
-        body["max_tokens"] = largest
-        changed = True
-    return largest, changed
 
 
 def _prompt_estimate(raw: bytes) -> int:
@@ -775,7 +737,7 @@ def _prompt_estimate(raw: bytes) -> int:
 
 def _estimate(raw: bytes, out_limit: int | None, served: ServedModel) -> tuple[int, int]:
     """(prompt, completion) tokens a request may use, before the engine says: the prompt
-    estimate plus the output limit as _output_limit read it (else the model's max_output,
+    estimate plus the output limit as read_request read it (else the model's max_output,
     else _DEFAULT_OUTPUT). Settled to the real count at the end."""
     out = out_limit if out_limit is not None else (served.max_output or _DEFAULT_OUTPUT)
     return _prompt_estimate(raw), out
@@ -814,14 +776,14 @@ def _model_field(block: bytes) -> bytes | None:
     if i < 0:
         return None
     j = i + 8
-    while block[j:j + 1] == b" ":
+    while block[j : j + 1] == b" ":
         j += 1
-    if block[j:j + 1] != b'"':
+    if block[j : j + 1] != b'"':
         return b""
     k = block.find(b'"', j + 1)
     if k < 0:
         return b""
-    field = block[i:k + 1]
+    field = block[i : k + 1]
     return b"" if b"\\" in field else field
 
 

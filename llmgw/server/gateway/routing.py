@@ -31,7 +31,8 @@ per-process hash randomisation does not matter.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llmgw.server.gateway.endpoints import Endpoint
@@ -95,7 +96,7 @@ def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> tuple[int
     h = 0
     out = []
     for i in range(0, len(text) - block_chars + 1, block_chars):
-        h = hash((h, text[i:i + block_chars]))
+        h = hash((h, text[i : i + block_chars]))
         out.append(h)
     return tuple(out)
 
@@ -103,7 +104,7 @@ def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> tuple[int
 class PrefixLRU:
     """The block hashes one endpoint served recently, at most ``capacity`` of them."""
 
-    __slots__ = ("capacity", "_blocks")
+    __slots__ = ("_blocks", "capacity")
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
@@ -143,7 +144,7 @@ class PrefixLRU:
 class RouterStats:
     """Counters per model, read when Prometheus scrapes (plain ints on the request path)."""
 
-    __slots__ = ("choices", "prefix_hits", "matched_blocks", "prompt_blocks")
+    __slots__ = ("choices", "matched_blocks", "prefix_hits", "prompt_blocks")
 
     def __init__(self) -> None:
         self.choices: dict[tuple[str, str], int] = {}
@@ -155,8 +156,13 @@ class RouterStats:
 class Router:
     """The routing settings (global and per model) and the choice itself."""
 
-    def __init__(self, strategy: str = DEFAULT_STRATEGY, load_factor: float = DEFAULT_LOAD_FACTOR,
-                 block_chars: int = DEFAULT_BLOCK_CHARS, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        strategy: str = DEFAULT_STRATEGY,
+        load_factor: float = DEFAULT_LOAD_FACTOR,
+        block_chars: int = DEFAULT_BLOCK_CHARS,
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
         self.default = strategy
         self.load_factor = load_factor
         self.block_chars = block_chars
@@ -185,8 +191,9 @@ class Router:
             return ()
         return block_hashes(prompt_text(route, body), self.block_chars)
 
-    def choose(self, model: str, candidates: Iterable[tuple[Endpoint, float]],
-               blocks: Sequence[int] = ()) -> Endpoint | None:
+    def choose(
+        self, model: str, candidates: Iterable[tuple[Endpoint, float]], blocks: Sequence[int] = ()
+    ) -> Endpoint | None:
         """Pick one of ``candidates`` (available endpoints with their load), in the order
         the model lists them.
 
@@ -275,22 +282,29 @@ class RouterCollector:
 
         s = self.router.stats
         choices = CounterMetricFamily(
-            "llmgw_router_choices", "Endpoint choices, by model and what decided them "
-            "(prefix: a cached prefix; least_loaded; round_robin).", labels=["model", "decided_by"])
+            "llmgw_router_choices",
+            "Endpoint choices, by model and what decided them (prefix: a cached prefix; least_loaded; round_robin).",
+            labels=["model", "decided_by"],
+        )
         for (model, how), n in sorted(s.choices.items()):
             choices.add_metric([model, how], n)
         hits = CounterMetricFamily(
-            "llmgw_router_prefix_hits", "Requests sent to an endpoint that recently served a prefix of their prompt.",
-            labels=["model"])
+            "llmgw_router_prefix_hits",
+            "Requests sent to an endpoint that recently served a prefix of their prompt.",
+            labels=["model"],
+        )
         for model, n in sorted(s.prefix_hits.items()):
             hits.add_metric([model], n)
         matched = CounterMetricFamily(
-            "llmgw_router_prefix_matched_blocks", "Prompt blocks found on the chosen endpoint (prefix routing).",
-            labels=["model"])
+            "llmgw_router_prefix_matched_blocks",
+            "Prompt blocks found on the chosen endpoint (prefix routing).",
+            labels=["model"],
+        )
         for model, n in sorted(s.matched_blocks.items()):
             matched.add_metric([model], n)
         total = CounterMetricFamily(
-            "llmgw_router_prompt_blocks", "Prompt blocks of requests routed by prefix.", labels=["model"])
+            "llmgw_router_prompt_blocks", "Prompt blocks of requests routed by prefix.", labels=["model"]
+        )
         for model, n in sorted(s.prompt_blocks.items()):
             total.add_metric([model], n)
         return [choices, hits, matched, total]

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from llmgw.errors import LlmgwError
 from llmgw.server.gateway.usage_journal import UsageJournal
 from llmgw.store import UsageRow
 
@@ -26,7 +27,7 @@ class UsageSink(Protocol):
     async def insert_usage(self, rows: Sequence[UsageRow]) -> None: ...
 
 
-class JournalError(Exception):
+class JournalError(LlmgwError):
     """The journal of an earlier run could not be read or written to the store; its rows
     are still in it. The message says what to do."""
 
@@ -42,9 +43,15 @@ class UsageRecorder:
     is counted in `dropped` and logged as an error.
     """
 
-    def __init__(self, sink: UsageSink, flush_interval: float = 1.0, batch_size: int = 500,
-                 queue_limit: int = 100_000, journal: UsageJournal | None = None,
-                 final_flush: float = 5.0) -> None:
+    def __init__(
+        self,
+        sink: UsageSink,
+        flush_interval: float = 1.0,
+        batch_size: int = 500,
+        queue_limit: int = 100_000,
+        journal: UsageJournal | None = None,
+        final_flush: float = 5.0,
+    ) -> None:
         self._sink = sink
         self._pending: collections.deque[UsageRow] = collections.deque()
         self._limit = queue_limit
@@ -93,8 +100,10 @@ class UsageRecorder:
         try:
             rows, torn = j.read()
         except OSError as exc:
-            raise JournalError(f"the usage journal {j.path} cannot be read: {exc.strerror or exc}; "
-                               "make it readable by the server's user and start again") from None
+            raise JournalError(
+                f"the usage journal {j.path} cannot be read: {exc.strerror or exc}; "
+                "make it readable by the server's user and start again"
+            ) from None
         for t in torn[:TORN_LINES_SHOWN]:
             log.error("usage journal %s, line %d: skipped, %s: %r", j.path, t.number, t.reason, t.start)
         if len(torn) > TORN_LINES_SHOWN:
@@ -105,19 +114,24 @@ class UsageRecorder:
             log.info("writing %d usage rows from the journal %s to the store", len(rows), j.path)
         for i in range(0, len(rows), self._batch):
             try:
-                await self._sink.insert_usage(rows[i:i + self._batch])
+                await self._sink.insert_usage(rows[i : i + self._batch])
             except Exception as exc:
                 raise JournalError(
                     f"the usage journal {j.path} holds {len(rows)} rows of an earlier run that the store "
                     f"did not take: {_brief(exc)}. They stay in the journal. The server does not start without "
                     "them, because budgets are restored from usage; start it again once the store takes "
-                    "writes") from exc
+                    "writes"
+                ) from exc
         try:
             j.remove()
         except OSError as exc:
             # Its rows are in the store; writing them again later stores nothing twice.
-            log.error("the usage journal %s was written to the store but cannot be removed (%s); "
-                      "the next start writes it again, skipping what is stored", j.path, exc.strerror or exc)
+            log.error(
+                "the usage journal %s was written to the store but cannot be removed (%s); "
+                "the next start writes it again, skipping what is stored",
+                j.path,
+                exc.strerror or exc,
+            )
         if rows:
             log.info("usage journal: %d rows written to the store (those already there skipped)", len(rows))
         return len(rows)
@@ -162,8 +176,12 @@ class UsageRecorder:
         """Write what is queued; on failure the rows stay queued for the next round."""
         error = await self._write()
         if error is not None:
-            log.warning("writing %d usage rows failed (will retry in %gs): %s",
-                        len(self._pending), self._interval, _brief(error))
+            log.warning(
+                "writing %d usage rows failed (will retry in %gs): %s",
+                len(self._pending),
+                self._interval,
+                _brief(error),
+            )
 
     async def _write(self) -> Exception | None:
         while self._pending:
@@ -205,12 +223,21 @@ class UsageRecorder:
             self._journal.append(rows)
         except OSError as exc:
             self._count_lost(len(rows))
-            log.error("%d usage rows dropped: %s and the usage journal %s cannot be written: %s",
-                      len(rows), why, self._journal.path, exc.strerror or exc)
+            log.error(
+                "%d usage rows dropped: %s and the usage journal %s cannot be written: %s",
+                len(rows),
+                why,
+                self._journal.path,
+                exc.strerror or exc,
+            )
             return
         self.journaled += len(rows)
-        log.warning("%d usage rows kept in the usage journal %s (%s); the next start writes them to the store",
-                    len(rows), self._journal.path, why)
+        log.warning(
+            "%d usage rows kept in the usage journal %s (%s); the next start writes them to the store",
+            len(rows),
+            self._journal.path,
+            why,
+        )
 
     def _count_lost(self, n: int) -> None:
         # Logged where they are lost, so the queue-full report does not count them again.
@@ -220,8 +247,13 @@ class UsageRecorder:
     def _log_queue_drops(self) -> None:
         n = self.dropped - self._dropped_logged
         if n:
-            log.error("%d usage rows dropped: the queue holds %d rows at most and the store is not taking "
-                      "them (%d dropped since start)", n, self._limit, self.dropped)
+            log.error(
+                "%d usage rows dropped: the queue holds %d rows at most and the store is not taking "
+                "them (%d dropped since start)",
+                n,
+                self._limit,
+                self.dropped,
+            )
             self._dropped_logged = self.dropped
         self._next_drop_log = time.monotonic() + DROP_LOG_EVERY_S
 

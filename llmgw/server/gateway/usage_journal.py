@@ -74,7 +74,7 @@ class UsageJournal:
                 data = b"\n" + data
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -43,13 +43,20 @@ class ClaimPage:
 
     @staticmethod
     def _page(title: str, body: str, status: int = 200) -> web.Response:
-        return web.Response(status=status, text=_PAGE.format(title=html.escape(title), body=body),
-                            content_type="text/html", headers=_HEADERS)
+        return web.Response(
+            status=status,
+            text=_PAGE.format(title=html.escape(title), body=body),
+            content_type="text/html",
+            headers=_HEADERS,
+        )
 
     async def show(self, request: web.Request) -> web.Response:
-        return self._page("Your API key", "<p>This link shows an API key once. Open it only when you are ready "
-                          "to copy the key somewhere safe: it cannot be shown again.</p>"
-                          '<form method="post"><button type="submit">Show my key</button></form>')
+        return self._page(
+            "Your API key",
+            "<p>This link shows an API key once. Open it only when you are ready "
+            "to copy the key somewhere safe: it cannot be shown again.</p>"
+            '<form method="post"><button type="submit">Show my key</button></form>',
+        )
 
     async def claim(self, request: web.Request) -> web.Response:
         wants_json = "application/json" in request.headers.get("Accept", "")
@@ -65,13 +72,19 @@ class ClaimPage:
             # Used, expired or revoked: gone for good.
             return self._answer(wants_json, 410, str(exc))
         if wants_json:
-            return web.Response(body=orjson.dumps({"key": secret}), content_type="application/json",
-                                headers=_HEADERS)
-        return self._page("Your API key", f"<p>Copy it now; it will not be shown again.</p><code>{html.escape(secret)}"
-                          "</code><p>Send it as <kbd>Authorization: Bearer &lt;key&gt;</kbd>.</p>")
+            return web.Response(body=orjson.dumps({"key": secret}), content_type="application/json", headers=_HEADERS)
+        return self._page(
+            "Your API key",
+            f"<p>Copy it now; it will not be shown again.</p><code>{html.escape(secret)}"
+            "</code><p>Send it as <kbd>Authorization: Bearer &lt;key&gt;</kbd>.</p>",
+        )
 
     def _answer(self, wants_json: bool, status: int, message: str) -> web.Response:
         if wants_json:
-            return web.Response(status=status, content_type="application/json", headers=_HEADERS,
-                                body=orjson.dumps({"error": {"message": message, "code": "claim_unavailable"}}))
+            return web.Response(
+                status=status,
+                content_type="application/json",
+                headers=_HEADERS,
+                body=orjson.dumps({"error": {"message": message, "code": "claim_unavailable"}}),
+            )
         return self._page("This link cannot show a key", f"<p>{html.escape(message)}</p>", status)

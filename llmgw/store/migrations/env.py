@@ -5,8 +5,10 @@ from alembic import context
 
 connection = context.config.attributes.get("connection")
 if connection is None:
-    raise RuntimeError("llmgw store migrations run from Store.open(), which supplies the "
-                       "connection; they are not meant for the alembic command line")
+    raise RuntimeError(
+        "llmgw store migrations run from Store.open(), which supplies the "
+        "connection; they are not meant for the alembic command line"
+    )
 
 context.configure(
     connection=connection,

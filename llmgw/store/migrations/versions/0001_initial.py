@@ -32,8 +32,7 @@ def upgrade() -> None:
     op.create_table(
         "usage",
         # BIGINT is not SQLite's rowid alias, so it would not autoincrement there.
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
-                  primary_key=True, autoincrement=True),
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
         sa.Column("at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("key_id", sa.String(32), nullable=True),
         sa.Column("project", sa.Text, nullable=True),

@@ -89,8 +89,7 @@ def upgrade() -> None:
     op.create_index("ix_api_keys_user_id", "api_keys", ["user_id"])
     for col in ("user_id", "project_id", "team_id", "org_id"):
         op.add_column("usage", sa.Column(col, sa.String(_ID), nullable=True))
-    op.add_column("usage", sa.Column("cost_micros", sa.BigInteger, nullable=False,
-                                     server_default="0"))
+    op.add_column("usage", sa.Column("cost_micros", sa.BigInteger, nullable=False, server_default="0"))
 
 
 def downgrade() -> None:

@@ -3,7 +3,8 @@
 A file llama.cpp cannot load is fetched, catalogued and placed, and then
 fails on every node, while the answer sits in its first kilobytes
 (``general.architecture``). So the header is read with HTTP Range requests,
-a few hundred KB at most in practice, before anything is downloaded.
+a few hundred KB at most in practice, before anything is downloaded: by the
+mirror before it fetches a model, by the server before it catalogues one.
 
 The known architectures are ``LLM_ARCH_NAMES`` from the llama.cpp vendored
 in the pinned llama-cpp-python sdist, written to ``gguf_architectures.txt``
@@ -22,6 +23,9 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
+from llmgw import download
+from llmgw.errors import LlmgwError
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
@@ -32,13 +36,22 @@ ARCHITECTURES_FILE = "gguf_architectures.txt"
 
 # Value types, GGUF spec order.
 _SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-    10: "<Q", 11: "<q", 12: "<d",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
 _STRING, _ARRAY = 8, 9
 
 
-class GGUFError(ValueError):
+class GGUFError(LlmgwError, ValueError):
     """Not a GGUF header we can read."""
 
 
@@ -55,11 +68,11 @@ class _Reader:
     def take(self, n: int) -> bytes:
         if self.pos + n > len(self.data):
             raise _NeedMore(f"the header continues past byte {len(self.data)}")
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
-    def unpack(self, fmt: str):  # noqa: ANN201 - a struct scalar
+    def unpack(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def count(self) -> int:
@@ -68,7 +81,7 @@ class _Reader:
     def string(self) -> str:
         return self.take(self.count()).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int):  # noqa: ANN201 - any GGUF value
+    def value(self, vtype: int):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == _STRING:
@@ -113,10 +126,20 @@ def parse_header(data: bytes) -> dict:
                 break
             raise
     else:
-        return {"version": version, "tensor_count": tensor_count, "kv_count": kv_count,
-                "metadata": metadata, "complete": True}
-    return {"version": version, "tensor_count": tensor_count, "kv_count": kv_count,
-            "metadata": metadata, "complete": False}
+        return {
+            "version": version,
+            "tensor_count": tensor_count,
+            "kv_count": kv_count,
+            "metadata": metadata,
+            "complete": True,
+        }
+    return {
+        "version": version,
+        "tensor_count": tensor_count,
+        "kv_count": kv_count,
+        "metadata": metadata,
+        "complete": False,
+    }
 
 
 # ---------------------------------------------------------------- the pinned list
@@ -182,14 +205,12 @@ def judge(header: dict, url: str, architectures: frozenset[str]) -> str | None:
     arch = meta.get(ARCH_KEY)
     name = unquote(urlsplit(url).path.rsplit("/", 1)[-1]) or url
     if arch == "clip" or meta.get("general.type") == "mmproj" or _is_mmproj_name(url):
-        return (f"{name} is a vision projector (mmproj), not a model on its own; "
-                "it goes with a model as --mmproj.")
+        return f"{name} is a vision projector (mmproj), not a model on its own; it goes with a model as --mmproj."
     if not isinstance(arch, str):
         return None  # no architecture to judge: refuse nothing
     if architectures and arch not in architectures:
         build = pinned_build()
-        return (f"{build} cannot load architecture {arch!r} ({name}); "
-                "pass --anyway to fetch it all the same.")
+        return f"{build} cannot load architecture {arch!r} ({name}); pass --anyway to fetch it all the same."
     return None
 
 
@@ -197,9 +218,7 @@ async def read_header(url: str, client: httpx.AsyncClient, headers: dict[str, st
     """Fetch just enough of ``url`` to read its header, growing the Range as needed."""
     want = FIRST_READ
     while True:
-        h = dict(headers or {})
-        h["Range"] = f"bytes=0-{want - 1}"
-        h["Accept-Encoding"] = "identity"
+        h = {**(headers or {}), **download.request_headers(0), "Range": f"bytes=0-{want - 1}"}
         data = bytearray()
         async with client.stream("GET", url, headers=h) as resp:
             if resp.status_code not in (200, 206):
@@ -209,23 +228,24 @@ async def read_header(url: str, client: httpx.AsyncClient, headers: dict[str, st
                 data += chunk
                 if len(data) >= want:
                     break
-            whole = resp.status_code == 200 or _total_from(resp.headers.get("Content-Range")) <= want
+            cr = download.parse_content_range(resp.headers.get("Content-Range"))
+            whole = resp.status_code == 200 or (cr is not None and cr.total is not None and cr.total <= want)
         try:
             return parse_header(bytes(data[:want]))
         except _NeedMore:
             if whole or len(data) < want or want >= MAX_READ:
-                raise GGUFError(f"the header of {url} did not fit in its first {min(want, len(data))} bytes")
+                raise GGUFError(f"the header of {url} did not fit in its first {min(want, len(data))} bytes") from None
             want = min(want * 4, MAX_READ)
 
 
-def _total_from(content_range: str | None) -> int:
-    m = re.match(r"bytes \d+-\d+/(\d+)", content_range or "")
-    return int(m.group(1)) if m else 1 << 62
-
-
-async def check_gguf_url(url: str, session: httpx.AsyncClient | None = None,
-                         architectures: frozenset[str] | None = None, *,
-                         headers: dict[str, str] | None = None, timeout: float = 30.0) -> str | None:
+async def check_gguf_url(
+    url: str,
+    session: httpx.AsyncClient | None = None,
+    architectures: frozenset[str] | None = None,
+    *,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> str | None:
     """None when ``url`` is fine to fetch (or cannot be judged), else the refusal.
 
     ``architectures`` None means the pinned list; an empty set means the

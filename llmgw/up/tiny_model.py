@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama GGUF for tests and benchmarks.
+"""A tiny random-weight Llama GGUF: what `llmgw up` serves when the starter model cannot be had,
+and the model tests and benchmarks run engines with.
 
 The model has real llama.cpp structure (2 layers, n_embd 64, 4 heads,
 context 8192) and the real Llama SentencePiece vocabulary copied from
@@ -33,12 +34,16 @@ early and ``completion_tokens`` equals ``max_tokens``.
 
 from __future__ import annotations
 
-import filecmp
-import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from llmgw.files import write_atomic
+
+if TYPE_CHECKING:
+    from gguf import GGUFValueType
 
 SEED = 20240607
 # Bump when the output changes: it is part of the cached file name.
@@ -69,7 +74,7 @@ def tiny_model_filename() -> str:
     return f"tiny-llama-v{FORMAT_VERSION}.gguf"
 
 
-def _read_vocab(vocab: Path) -> list[tuple[str, object, object, object]]:
+def _read_vocab(vocab: Path) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
     """The ``tokenizer.*`` key/values of a vocab GGUF, in file order, with their types."""
     from gguf import GGUFReader, GGUFValueType
 
@@ -159,17 +164,14 @@ def write_tiny_model(path: Path | str, vocab: Path | str | None = None) -> Path:
 
         vocab = vocab_path(VOCAB_NAME)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        _write(tmp, Path(vocab))
-        if path.is_file() and filecmp.cmp(tmp, path, shallow=False):
-            return path  # identical: keep the existing file (and its mtime)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # gguf writes to a path of its own; the bytes then go in place through the one atomic write.
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        built = Path(tmp) / path.name
+        _write(built, Path(vocab))
+        data = built.read_bytes()
+    if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
+        return path  # identical: keep the existing file (and its mtime)
+    write_atomic(path, data)
     return path
 
 

@@ -1,0 +1,281 @@
+"""The bodies of the admin API (/api/v1 on admin_listen): what `llmgw ctl` sends and reads.
+
+The server writes replies with ``exclude_unset``: a field it did not set is
+absent, one it set to None is null. That keeps the shapes the CLI, the docs
+and other clients know, where some fields are left out rather than null (a
+placement profile's ``error``, a run-time model's ``created_at``). The
+mirror's routes answer the mirror API's own bodies (``mirror_api``).
+
+A reader ignores fields it does not know, and most fields are optional,
+because `llmgw ctl` of one release talks to servers of another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, StrictInt, field_serializer
+
+from .base import WireModel
+from .inventory import MemoryInfo
+from .messages import ProvisionStatus, ShardStatus
+
+# ------------------------------------------------------------------ the gateway
+
+
+class EndpointRow(WireModel):
+    """One engine endpoint the gateway routes to, with its health and scraped load."""
+
+    model: str
+    url: str
+    engine: str | None = None
+    healthy: bool | None = None
+    health: str | None = None  # words for a person
+    available: bool | None = None
+    breaker_open: bool | None = None
+    consecutive_failures: int | None = None
+    inflight: int | None = None
+    # None while the engine's metrics are stale.
+    waiting: float | None = None
+    running: float | None = None
+    kv_cache_usage: float | None = None
+    metrics_stale: bool | None = None
+
+
+class EndpointsReply(WireModel):
+    endpoints: list[EndpointRow]
+
+
+class UsageCounts(WireModel):
+    pending: int
+    written: int
+    dropped: int
+
+
+class StatusReply(WireModel):
+    version: str
+    uptime_seconds: float | None = None
+    models: int | None = None
+    endpoints: int | None = None
+    ready: bool | None = None
+    api_keys: int | None = None
+    auth_enabled: bool | None = None
+    usage: UsageCounts | None = None  # None without a usage writer
+
+
+class Removed(WireModel):
+    """What a DELETE removed: a node, a model, a mirror version (MODEL/VERSION)."""
+
+    removed: str
+
+
+# ------------------------------------------------------------------ nodes
+
+
+class NodeRow(WireModel):
+    node_id: str
+    state: str  # ready, cordoned, draining, unreachable, lost...
+    connected: bool | None = None
+    last_seen: float | None = None  # wall clock
+    last_seen_ago_s: float | None = None
+    agent_version: str | None = None
+    mgmt_addr: str | None = None
+    mgmt_interface: str | None = None
+    labels: dict[str, str] | None = None
+    engines: dict[str, str] | None = None  # installed engine -> version
+    provision: dict[str, ProvisionStatus] | None = None  # by engine
+    memory: MemoryInfo | None = None
+    gpus_total: int | None = None
+    gpus_free: int | None = None  # healthy and claimed by no shard
+    classes: list[str] | None = None
+    fabrics: list[str] | None = None
+    disk_free_bytes: int | None = None  # of the weights filesystem
+    disk_total_bytes: int | None = None
+    replicas: list[str] | None = None
+    warnings: list[str] | None = None
+    shards: dict[str, ShardStatus] | None = None  # by shard id
+
+    # The agent's own messages, passed on as the agent leaves them: an unknown
+    # figure is left out, not null.
+    @field_serializer("provision", "shards")
+    def _agent_statuses(
+        self,
+        value: dict[str, ProvisionStatus] | dict[str, ShardStatus] | None,
+    ) -> dict[str, dict[str, Any]] | None:
+        if value is None:
+            return None
+        return {k: v.model_dump(mode="json", exclude_none=True) for k, v in value.items()}
+
+    @field_serializer("memory")
+    def _agent_memory(self, value: MemoryInfo | None) -> dict[str, Any] | None:
+        return None if value is None else value.model_dump(mode="json", exclude_none=True)
+
+
+class NodesReply(WireModel):
+    nodes: list[NodeRow]
+
+
+class NodeAction(WireModel):
+    """The reply to cordon, uncordon and drain."""
+
+    node: str
+    state: str | None = None  # None when the node is not known (any more)
+    message: str | None = None  # the control plane's sentence about it
+
+
+class NodeLogs(WireModel):
+    source: str | None = None
+    lines: list[str] | None = None
+    sources: list[str] | None = None  # every log the node can show
+
+
+# ------------------------------------------------------------------ replicas
+
+
+class ShardFetch(WireModel):
+    """A shard's weights download."""
+
+    source: str | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None  # None when the length is not known
+    percent: float | None = None
+
+
+class ReplicaShard(WireModel):
+    node: str | None = None
+    shard_id: str
+    rank: int | None = None
+    gpus: list[int] | None = None
+    state: str | None = None
+    pid: int | None = None
+    fetch: ShardFetch | None = None
+
+
+class ReplicaRow(WireModel):
+    id: str
+    model: str
+    profile: str | None = None
+    state: str
+    pool: str | None = None
+    stale: bool | None = None  # started from an older version of its profile
+    adopted: bool | None = None
+    age_s: float | None = None
+    idle_s: float | None = None  # since the model's last request
+    endpoint: str | None = None
+    reason: str | None = None  # why it failed or is stopping
+    replaces: str | None = None
+    replaced_by: str | None = None
+    shards: list[ReplicaShard] | None = None
+
+
+class ReplicasReply(WireModel):
+    replicas: list[ReplicaRow]
+
+
+# ------------------------------------------------------------------ the catalog
+#
+# A catalog model is a model as server.yaml or a model file gives it
+# (config.ModelConfig, which this layer cannot import), plus what the catalog
+# adds. The fields `llmgw ctl` reads are named here; the rest of the spec
+# travels as extra fields, unchanged.
+
+
+class CatalogScaling(WireModel):
+    model_config = ConfigDict(extra="allow")
+
+    min: int | None = None
+    max: int | None = None
+    idle_timeout: float | None = None  # seconds
+    state: str | None = None  # added by the catalog: fixed, on demand, stopped...
+
+
+class CatalogProfile(WireModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    engine: str | None = None
+    gpu_class: str | None = None  # None: CPU
+    min_memory_gb: float | None = None
+    fingerprint: str | None = None  # added by the catalog
+
+
+class ModelBackoff(WireModel):
+    """A model whose replicas keep failing to start: when it is tried again."""
+
+    failures: int
+    retry_in_s: float
+    last_failure: str | None = None
+
+
+class ModelStatus(WireModel):
+    target: int | None = None  # replicas wanted now; None for a model served from static endpoints
+    replicas: dict[str, int] | None = None  # state -> how many
+    problem: str | None = None
+    backoff: ModelBackoff | None = None
+
+
+class CatalogModel(WireModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    source: str | None = None
+    scaling: CatalogScaling | None = None
+    profiles: list[CatalogProfile] | None = None
+    declared: bool | None = None  # in server.yaml, rather than added at run time
+    managed: bool | None = None  # placed by the control plane (has profiles)
+    created_at: str | None = None  # run-time models only (ISO 8601)
+    updated_at: str | None = None
+    status: ModelStatus | None = None  # managed models, on a control plane
+
+
+class ModelsReply(WireModel):
+    models: list[CatalogModel]
+    problems: list[str] | None = None  # stored models that could not be loaded, in words
+
+
+class ModelReply(WireModel):
+    """The model as the catalog now holds it: after add, scale, or serve from the mirror."""
+
+    model: CatalogModel
+
+
+class ModelAddRequest(WireModel):
+    # A model as a model file holds it; the catalog validates it (config.ModelConfig).
+    model: dict[str, Any]
+    source_check: bool = True  # check first that the source can be read
+
+
+class ScaleRequest(WireModel):
+    min: StrictInt
+    max: StrictInt | None = None  # left out: the same as min, or 1 when min is 0
+
+
+class MirrorServeRequest(WireModel):
+    """Add a catalog model from a present mirror version; what is left out is worked out."""
+
+    name: str | None = None  # default: the mirror's model name
+    gpu_class: str | None = None  # default: CPU
+    engine: str | None = None  # default: from the file type
+    scaling: dict[str, Any] | None = None  # as a model file's scaling:
+    description: str | None = None
+    source_check: bool = True
+
+
+# ------------------------------------------------------------------ placement
+
+
+class NodeVerdict(WireModel):
+    node: str
+    chosen: bool
+    reasons: list[str]
+
+
+class ProfilePlacement(WireModel):
+    profile: str
+    error: str | None = None  # set (and nodes empty) when the profile cannot be placed at all
+    nodes: list[NodeVerdict]
+
+
+class PlacementReply(WireModel):
+    model: str
+    profiles: list[ProfilePlacement]

@@ -1,0 +1,194 @@
+"""What a client asked for, read from its parsed body once: the model, the stream flag, the
+output limit; and the per-request context the proxy carries from there to the usage row.
+
+read_request is the one place a body is checked before it is forwarded. It waits on nothing
+and touches no state but the body it is given, which it rewrites in place into what the
+engine is to be sent (the body was parsed for this request alone; copying it would cost a
+dict per request for nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import orjson
+
+from llmgw.errors import LlmgwError
+from llmgw.server.gateway.limits import Reservation
+from llmgw.server.gateway.principal import ANONYMOUS, Principal
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One OpenAI route: its upstream path and what its body must hold."""
+
+    name: str
+    path: str
+    required: str  # the field without which the request makes no sense
+    streams: bool
+
+
+CHAT = Route("chat", "/v1/chat/completions", "messages", True)
+COMPLETIONS = Route("completions", "/v1/completions", "prompt", True)
+EMBEDDINGS = Route("embeddings", "/v1/embeddings", "input", False)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    aliases: tuple[str, ...]
+    description: str | None
+    max_output: int | None
+    managed: bool = False  # run by the control plane: it may have to be loaded first
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request refused before it reaches an engine: the client's error, as error_response takes it."""
+
+    status: int
+    message: str
+    code: str
+    param: str | None
+    model: str  # the served model, for the request counter's label: "" before one is known
+
+
+@dataclass(slots=True)
+class Call:
+    """One client request as the proxy carries it, from its body to its usage row.
+
+    Made once per request, by read_request; the proxy adds who sent it, its bytes and when it
+    began, and the reservation once the limits let it through. Slots, not pydantic: this is
+    the request path, and the one object made for it costs about 0.15 µs.
+    """
+
+    route: Route
+    served: ServedModel
+    asked: str  # the name the client asked for (an alias, say): what its answer shows
+    body: dict
+    changed: bool  # body differs from the bytes received: re-encode it before sending
+    stream: bool
+    client_wants_usage: bool  # else the usage event the engine is asked for is stripped
+    out_limit: int | None  # the output limit the client gave, as _output_limit read it
+    principal: Principal = ANONYMOUS
+    raw: bytes = b""
+    t0: float = 0.0  # perf_counter when the request arrived
+    res: Reservation | None = None
+
+
+def read_request(route: Route, body: object, models: Mapping[str, ServedModel]) -> Call | Refusal:
+    """Check a parsed request body for ``route``; the request to forward, or why it is refused.
+
+    ``models`` maps every served name and alias to its model. The body is rewritten in place
+    where the engine must be sent something else: output limits as whole numbers, a max_tokens
+    under a model's max_output, and include_usage asked on every stream (so its tokens are
+    counted), which is stripped from the answer again when the client did not ask for it.
+    """
+    if not isinstance(body, dict):
+        return Refusal(400, "the request body should be a JSON object", "invalid_request", None, "")
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        return Refusal(
+            400, "'model' is required: the name of a model from GET /v1/models", "missing_field", "model", ""
+        )
+    served = models.get(name)
+    if served is None:
+        return Refusal(
+            404,
+            f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
+            "model_not_found",
+            "model",
+            "",
+        )
+    if route.required not in body:
+        return Refusal(
+            400, f"'{route.required}' is required for {route.path}", "missing_field", route.required, served.name
+        )
+    if route.name == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
+        return Refusal(
+            400, "'messages' should be a non-empty list of messages", "invalid_request", "messages", served.name
+        )
+    stream = body.get("stream", False) if route.streams else False
+    if not isinstance(stream, bool):
+        return Refusal(400, "'stream' should be true or false", "invalid_request", "stream", served.name)
+    out_limit: int | None = None
+    changed = False
+    if route.streams:  # the routes that generate; embeddings have no output to cap
+        try:
+            out_limit, changed = _output_limit(body, served.max_output)
+        except _BadField as exc:
+            return Refusal(400, exc.message, exc.code, exc.field, served.name)
+    client_wants_usage = True
+    if stream:
+        opts = body.get("stream_options")
+        if opts is None:
+            opts = {}
+        elif not isinstance(opts, dict):
+            return Refusal(
+                400, "'stream_options' should be an object", "invalid_request", "stream_options", served.name
+            )
+        client_wants_usage = opts.get("include_usage") is True
+        if not client_wants_usage:
+            body["stream_options"] = {**opts, "include_usage": True}
+            changed = True
+    return Call(route, served, name, body, changed, stream, client_wants_usage, out_limit)
+
+
+# What a request asks an engine to generate at most, by every name engines read it under:
+# OpenAI's two and llama.cpp's own (which llama.cpp prefers over the others).
+_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict")
+
+
+class _BadField(LlmgwError):
+    """A field of the request the gateway cannot read: refused with 400, naming it."""
+
+    def __init__(self, field: str, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+        self.code = code
+
+
+def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
+    """Read the request's output limit, the same way for each of _OUTPUT_FIELDS; returns it
+    (the largest given, None when none is) and whether the body was changed.
+
+    A whole number is read as such, 200.0 included (and sent on as 200, so the engine reads
+    what the gateway read); null is "not given". Anything else (200.5, a negative number, a
+    string, true/false) raises _BadField, as does a value above ``cap`` (the model's
+    max_output). With a cap, the engine is always sent a max_tokens, which every engine
+    reads: the cap when no limit was given, else the client's own n_predict (an engine that
+    does not know n_predict would otherwise run on to its context).
+    """
+    largest: int | None = None
+    changed = False
+    openai_named = False
+    for field in _OUTPUT_FIELDS:
+        v = body.get(field)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = body[field] = int(v)
+            changed = True
+        elif isinstance(v, bool) or not isinstance(v, int):
+            shown = orjson.dumps(v).decode()[:40]
+            raise _BadField(field, f"'{field}' should be a whole number of tokens, not {shown}")
+        if v < 0:
+            raise _BadField(field, f"'{field}' is {v}; give a number of tokens of 0 or more, or leave it out")
+        if cap is not None and v > cap:
+            raise _BadField(
+                field,
+                f"{field} is {v}, but this model allows at most {cap}; ask for {cap} or "
+                "fewer, or leave it out to get up to that",
+                "max_tokens_too_large",
+            )
+        if field != "n_predict":
+            openai_named = True
+        if largest is None or v > largest:
+            largest = v
+    if cap is not None and not openai_named:
+        largest = cap if largest is None else largest
+        body["max_tokens"] = largest
+        changed = True
+    return largest, changed
