@@ -19,6 +19,7 @@ import logging
 import re
 import struct
 from importlib import resources
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -72,16 +73,16 @@ class _Reader:
         self.pos += n
         return out
 
-    def unpack(self, fmt: str):
+    def unpack(self, fmt: str) -> Any:  # what struct gives: an int, float or bool by fmt
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def count(self) -> int:
-        return self.unpack(self.count_fmt)
+        return int(self.unpack(self.count_fmt))
 
     def string(self) -> str:
         return self.take(self.count()).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int):
+    def value(self, vtype: int) -> object:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == _STRING:
@@ -97,7 +98,7 @@ class _Reader:
         raise GGUFError(f"unknown GGUF value type {vtype} at byte {self.pos}")
 
 
-def parse_header(data: bytes) -> dict:
+def parse_header(data: bytes) -> dict[str, Any]:
     """Read a GGUF header (v1–v3) from its first bytes.
 
     Returns ``{"version", "tensor_count", "kv_count", "metadata", "complete"}``;
@@ -199,7 +200,7 @@ def _is_mmproj_name(url: str) -> bool:
     return "mmproj" in name
 
 
-def judge(header: dict, url: str, architectures: frozenset[str]) -> str | None:
+def judge(header: dict[str, Any], url: str, architectures: frozenset[str]) -> str | None:
     """None when the pinned llama.cpp can load this model, else why not."""
     meta = header.get("metadata", {})
     arch = meta.get(ARCH_KEY)
@@ -214,7 +215,7 @@ def judge(header: dict, url: str, architectures: frozenset[str]) -> str | None:
     return None
 
 
-async def read_header(url: str, client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> dict:
+async def read_header(url: str, client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> dict[str, Any]:
     """Fetch just enough of ``url`` to read its header, growing the Range as needed."""
     want = FIRST_READ
     while True:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -143,17 +144,16 @@ class Guard:
                 )
         if request.headers.get("Sec-Fetch-Site") == "cross-site":
             return 403, "requests from web pages on other sites are refused here", "cross_origin"
-        if request.method in WRITE_METHODS:
-            if request.content_type != "application/json":
-                return (
-                    415,
-                    f"a {request.method} here must send its body as application/json "
-                    f"(this one is {request.content_type or 'without a type'})",
-                    "unsupported_media_type",
-                )
+        if request.method in WRITE_METHODS and request.content_type != "application/json":
+            return (
+                415,
+                f"a {request.method} here must send its body as application/json "
+                f"(this one is {request.content_type or 'without a type'})",
+                "unsupported_media_type",
+            )
         return None
 
-    def middleware(self) -> Callable:
+    def middleware(self) -> Middleware:
         @web.middleware
         async def guard(
             request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -12,7 +12,8 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aiohttp
 
@@ -25,7 +26,7 @@ log = logging.getLogger("llmgw.agent.client")
 
 _HEALTHY_SESSION = 5.0  # seconds a session must last to reset the backoff
 
-Session = Callable[[aiohttp.ClientWebSocketResponse, str], Awaitable[None]]
+Session = Callable[[aiohttp.ClientWebSocketResponse, str], Coroutine[Any, Any, None]]
 
 
 class LinkError(LlmgwError):
@@ -97,7 +98,7 @@ class ControlPlaneLink:
             # names another node. Its words go to the operator as they are.
             # aiohttp keeps only the status line of a refused upgrade; the control
             # plane repeats its reason in a header so it reaches the operator.
-            reason = (exc.headers or {}).get("X-Llmgw-Refusal") or exc.message
+            reason = (exc.headers.get("X-Llmgw-Refusal") if exc.headers is not None else None) or exc.message
             self.last_error = f"{addr} refused the stream ({exc.status}): {reason}"
             log.warning("%s", self.last_error)
             return False

@@ -16,7 +16,9 @@ import collections
 import ipaddress
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -29,7 +31,7 @@ from llmgw.agent.engines.spec import Adapter, EngineSettings, Group, NodeFacts, 
 from llmgw.agent.identity import Identity, resolve_identity
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import ConvergeLoop, Installer, Want
-from llmgw.agent.provision.status import ProvisionStatus as InstallStatus
+from llmgw.agent.provision.status import InstallRecord
 from llmgw.agent.supervisor import (
     Role,
     ShardSpec,
@@ -74,7 +76,7 @@ from llmgw.protocol.prometheus import parse_prometheus
 log = logging.getLogger("llmgw.agent")
 
 # The agent's own recent log lines, for a logs request with source "agent".
-_AGENT_LOG = collections.deque(maxlen=2000)
+_AGENT_LOG: collections.deque[str] = collections.deque(maxlen=2000)
 
 
 class _RingHandler(logging.Handler):
@@ -101,7 +103,7 @@ class Agent:
         self.discovery = Discovery(
             discovery
             or DiscoveryOptions(
-                model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]),
+                model_dirs=(*cfg.model_dirs, cfg.weights_cache),
                 nvidia_smi=cfg.discovery.nvidia_smi,
                 ib_root=Path(cfg.discovery.ib_root),
                 prefer_nvml=cfg.discovery.prefer_nvml,
@@ -338,7 +340,8 @@ class Agent:
         self._specs[msg.shard_id] = msg
         task = asyncio.create_task(self._launch(msg), name=f"start {msg.shard_id}")
         self._starting[msg.shard_id] = task
-        task.add_done_callback(lambda _t, sid=msg.shard_id: self._starting.pop(sid, None))
+        sid = msg.shard_id
+        task.add_done_callback(lambda _t: self._starting.pop(sid, None))
         self._ack(msg)
 
     async def _launch(self, msg: StartShard) -> None:
@@ -564,11 +567,11 @@ class Agent:
     def _shard_changed(self, st: SupervisedShard) -> None:
         self.send(self._status_msg(st))
 
-    def _provision_changed(self, status: InstallStatus) -> None:
+    def _provision_changed(self, status: InstallRecord) -> None:
         self.send(Heartbeat(node_id=self.identity.node_id, provision=[_provision_msg(status)]))
 
 
-def _provision_msg(status: InstallStatus) -> ProvisionStatus:
+def _provision_msg(status: InstallRecord) -> ProvisionStatus:
     """The installer's record as the protocol carries it (the binary's path stays here)."""
     return ProvisionStatus.model_validate(status.to_wire())
 
@@ -592,7 +595,7 @@ class _Refused(LlmgwError):
 _NO_SPEC = StartShard(shard_id="-", engine="-")
 
 
-def _spec_from_meta(meta: dict | None) -> StartShard | None:
+def _spec_from_meta(meta: Mapping[str, Any] | None) -> StartShard | None:
     raw = (meta or {}).get("start_shard")
     if not raw:
         return None

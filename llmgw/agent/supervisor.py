@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import inspect
 import logging
@@ -36,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ class UnknownShardError(SupervisorError, KeyError):
         return str(self.args[0]) if self.args else "unknown shard"
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     LEADER = "leader"  # serves HTTP; ready when /health and /v1/models say so
     WORKER = "worker"  # a rank that serves nothing; judged by staying alive
 
@@ -482,7 +483,7 @@ class _Proc:
         self.settle()
 
     async def _poll(self, interval: float) -> None:
-        while not self.settle():
+        while not self.settle():  # noqa: ASYNC110 — no pidfd here: another process's end has no event to await
             await asyncio.sleep(interval)
 
     def running(self) -> bool:
@@ -851,7 +852,7 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(st.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.sweep_grace
-        while time.monotonic() < deadline and any(alive(st.pid, st.start_time) for st, _ in victims):
+        while time.monotonic() < deadline and any(alive(st.pid, st.start_time) for st, _ in victims):  # noqa: ASYNC110 — not our children: no event tells of their end
             await asyncio.sleep(0.05)
         for st, _ in victims:
             if alive(st.pid, st.start_time):
@@ -1003,7 +1004,7 @@ class Supervisor:
                 )
             sh.sidecars.append(p)
             p.watch(self.poll_interval)
-            p.exited.add_done_callback(lambda f, p=p, sh=sh: self._sidecar_ended(sh, p, f))
+            p.exited.add_done_callback(functools.partial(self._sidecar_ended, sh, p))
         return True
 
     def _launch_engine(self, sh: _Shard) -> bool:
@@ -1063,9 +1064,11 @@ class Supervisor:
             if sh.stopping or not self._launch_engine(sh):
                 return
         engine = sh.engine
+        assert engine is not None  # adopted, or just launched above
         ready = asyncio.create_task(self._readiness(sh))
         try:
-            await asyncio.wait({engine.exited, ready}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {engine.exited, ready}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not engine.exited.done():
                 await asyncio.shield(engine.exited)
         finally:
@@ -1143,7 +1146,7 @@ class Supervisor:
         for p in procs:
             p.signal(signal.SIGTERM)
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline and not all(p.gone() for p in procs):
+        while time.monotonic() < deadline and not all(p.gone() for p in procs):  # noqa: ASYNC110 — gone() counts the group's members too, whose end no event tells of
             await asyncio.sleep(0.05)
         detail = "stopped"
         if not all(p.gone() for p in procs):
@@ -1151,7 +1154,7 @@ class Supervisor:
                 p.signal(signal.SIGKILL)
             detail = f"stopped with SIGKILL: it did not exit within {limit:g}s of SIGTERM"
             end = time.monotonic() + 10
-            while time.monotonic() < end and not all(p.gone() for p in procs):
+            while time.monotonic() < end and not all(p.gone() for p in procs):  # noqa: ASYNC110 — polled, as above
                 await asyncio.sleep(0.05)
             if not all(p.gone() for p in procs):  # uninterruptible sleep, usually a driver
                 detail += "; some of its processes are still there after SIGKILL"
@@ -1241,7 +1244,7 @@ class Supervisor:
         for p in sh.procs():
             p.watch(self.poll_interval)
             if p.label:
-                p.exited.add_done_callback(lambda fut, p=p, sh=sh: self._sidecar_ended(sh, p, fut))
+                p.exited.add_done_callback(functools.partial(self._sidecar_ended, sh, p))
         self._set(sh, ShardState.STARTING, f"adopted process {pid}; checking it answers")
         with contextlib.suppress(OSError):
             self._write_record(sh)  # sidecars that died are dropped from it

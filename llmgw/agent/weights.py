@@ -185,7 +185,7 @@ class _Flight:
     """One download in progress and everybody waiting on it."""
 
     def __init__(self) -> None:
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[Path]  # set as soon as the flight is made, before anyone sees it
         self.watchers: list[Progress] = []
         self.waiters = 0
         self.last: tuple[int, int | None] | None = None
@@ -321,7 +321,7 @@ class WeightsCache:
             )
             flight.task = asyncio.get_running_loop().create_task(job, name=f"weights {source}")
             self._flights[key] = flight
-            flight.task.add_done_callback(lambda _t, k=key, f=flight: self._landed(k, f))
+            flight.task.add_done_callback(lambda _t: self._landed(key, flight))
         flight.waiters += 1
         if progress is not None:
             flight.watchers.append(progress)

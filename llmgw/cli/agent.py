@@ -67,7 +67,7 @@ def inventory(
     if config:
         cfg = _load(config)
         opts = DiscoveryOptions(
-            model_dirs=tuple([*cfg.model_dirs, cfg.weights_cache]),
+            model_dirs=(*cfg.model_dirs, cfg.weights_cache),
             nvidia_smi=cfg.discovery.nvidia_smi,
             ib_root=Path(cfg.discovery.ib_root),
             prefer_nvml=cfg.discovery.prefer_nvml,

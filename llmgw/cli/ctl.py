@@ -172,7 +172,7 @@ def _print_rows(headers: list[str], rows: list[tuple[list[str], list[str]]]) -> 
         console.print(table)
     lines = [line.rstrip() for line in out.get().splitlines()]
     typer.echo(lines[0])
-    for (_, extra), line in zip(rows, lines[1:]):
+    for (_, extra), line in zip(rows, lines[1:], strict=False):
         typer.echo(line)
         for text in extra:
             typer.echo(text)

@@ -19,7 +19,8 @@ from llmgw.cli.ctl import _duration, _print_rows, _size, call, first_error
 from llmgw.protocol.admin import CatalogProfile, MirrorServeRequest, ModelReply, Removed
 from llmgw.protocol.mirror_api import MirrorFetchRequest, MirrorListing, MirrorVersion
 
-app = typer.Typer(
+# Annotated: llmgw.cli.ctl imports this module at its end, a cycle mypy cannot infer through.
+app: typer.Typer = typer.Typer(
     help="The model mirror, through the control plane: fetch, watch, serve, remove.", no_args_is_help=True
 )
 

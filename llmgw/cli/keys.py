@@ -10,7 +10,7 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 
@@ -186,7 +186,9 @@ def list_(
         import json
 
         cols = ("id", "name", "prefix", "project", "owner", "state", "last_used")
-        typer.echo(json.dumps([dict(zip(cols, (r[0], r[1], r[2].rstrip("…"), *r[3:]))) for r in rows], indent=2))
+        typer.echo(
+            json.dumps([dict(zip(cols, (r[0], r[1], r[2].rstrip("…"), *r[3:]), strict=True)) for r in rows], indent=2)
+        )
         return
     if not rows:
         more = "" if all_ else " (revoked and expired keys are listed with --all)"
@@ -240,7 +242,7 @@ def limits_(
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
     """Set limits on a level of the tree, a person or a key. Only the flags given are written."""
-    given = {}
+    given: dict[str, Any] = {}
     for flag, value in (("--rpm", rpm), ("--tpm", tpm), ("--budget", budget)):
         if value is not None and value < 0:
             fail(f"{flag} cannot be negative ({value:g}); give 0 or more")

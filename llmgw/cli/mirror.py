@@ -34,7 +34,9 @@ def _manager(root: str, allow_local_sources: bool = False):
 
     # The variable huggingface_hub reads, so an internal Hugging Face mirror serves both.
     return Manager(
-        root, hf_endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT, allow_local_sources=allow_local_sources
+        Path(root),
+        hf_endpoint=os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT,
+        allow_local_sources=allow_local_sources,
     )
 
 
@@ -78,19 +80,19 @@ def _with_manager(root: str, op, allow_local_sources: bool = False):
 
 
 def _present_rows(versions) -> list[tuple[str, str, str, int]]:
-    rows = []
-    for vs in sorted(versions, key=lambda v: (v.model, v.version)):
-        for f in sorted(vs.files, key=lambda f: f.name):
-            if f.state == "present" and not f.name.startswith("."):
-                rows.append((vs.model, vs.version, f.name, f.size or 0))
-    return rows
+    return [
+        (vs.model, vs.version, f.name, f.size or 0)
+        for vs in sorted(versions, key=lambda v: (v.model, v.version))
+        for f in sorted(vs.files, key=lambda f: f.name)
+        if f.state == "present" and not f.name.startswith(".")
+    ]
 
 
 def _print_table(rows: list[tuple[str, str, str, int]]) -> None:
     table = [("MODEL", "VERSION", "FILE", "SIZE")] + [(m, v, f, _size(s)) for m, v, f, s in rows]
     widths = [max(len(r[i]) for r in table) for i in range(3)]
     for r in table:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
 
 
 # ---------------------------------------------------------------- add / fetch

@@ -85,7 +85,7 @@ class EndpointConfig(_Block):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f'"{v}" is not an http(s) URL such as http://127.0.0.1:8000')
         try:
-            parts.port
+            _ = parts.port  # raises ValueError on an invalid port
         except ValueError as exc:
             raise ValueError(f'"{v}" has an invalid port') from exc
         if parts.query or parts.fragment:
@@ -138,7 +138,7 @@ def _check_source(v: str) -> str:
         if not parts.hostname:
             raise ValueError(f'"{v}" has no host; write it as http://HOST[:PORT]/PATH')
         try:
-            parts.port
+            _ = parts.port  # raises ValueError on an invalid port
         except ValueError as exc:
             raise ValueError(f'"{v}" has an invalid port') from exc
         if parts.path in ("", "/"):

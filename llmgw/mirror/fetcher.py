@@ -10,6 +10,7 @@ failure's reason. The only in-memory state is the downloads running now.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hashlib
 import logging
@@ -302,7 +303,7 @@ class Manager:
         assert st is not None
         return st
 
-    async def _resolve(self, source: str, as_name: str | None) -> list[_Want]:
+    async def _resolve(self, source: str, as_name: str | None) -> builtins.list[_Want]:  # list: the method above
         if source.startswith("hf:"):
             hf = await huggingface.resolve(source, self._http(), endpoint=self.hf_endpoint, token=self.hf_token)
             if as_name is not None and len(hf.files) > 1:

@@ -117,7 +117,9 @@ async def resolve(
     files = []
     for p in wanted:
         entry = tree[p]
-        lfs = entry.get("lfs") if isinstance(entry.get("lfs"), dict) else {}
+        lfs = entry.get("lfs")
+        if not isinstance(lfs, dict):
+            lfs = {}
         size = lfs.get("size", entry.get("size"))
         name = check_segment(p.rsplit("/", 1)[-1], "file name")
         files.append(

@@ -166,7 +166,7 @@ def weights_app(root: str | os.PathLike[str], checksums: ChecksumsOf | None = No
             return _not_found()
         model, version, name = segs
         path = resolve_inside(root, model, version, name)
-        if _regular_file(path) is not None:
+        if path is not None and _regular_file(path) is not None:
             return _RawFileResponse(path, chunk_size=1 << 20)
         if name.endswith(SIDECAR) and len(name) > len(SIDECAR):
             of = name[: -len(SIDECAR)]

@@ -37,7 +37,7 @@ def run_command(argv: list[str]) -> tuple[int, str]:
 
 def resolve_host(host: str) -> list[str]:
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    return sorted({i[4][0] for i in infos})
+    return sorted({str(i[4][0]) for i in infos})
 
 
 def control_plane_allow(address: str, resolve: Resolver = resolve_host) -> list[str]:

@@ -8,9 +8,10 @@ import gc
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -202,13 +203,15 @@ class Server:
         now = datetime.now(UTC)
         today = now.replace(hour=0, minute=0, second=0, microsecond=0)
         month = today.replace(day=1)
-        rows = []
+        rows: list[tuple[str | None, str | None, str | None, str | None, str | None, int, datetime]] = []
         # Two reads, so daily budgets see only today while monthly ones see the whole month.
         for since, until, at in ((month, today, month), (today, None, now)):
             if since == until:
                 continue
-            for r in await self.store.usage_cost_since(since, until):
-                rows.append((r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, r.cost_micros, at))
+            rows.extend(
+                (r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, r.cost_micros, at)
+                for r in await self.store.usage_cost_since(since, until)
+            )
         self.gateway.accountant.restore(rows)
         if rows:
             log.info("budgets restored from %d usage total(s) of this month", len(rows))
@@ -422,7 +425,7 @@ async def _json_errors(
 
 
 async def serve_until_stopped(
-    config: ServerConfig, stop: asyncio.Event, on_started: Callable[[Server], Awaitable[None]] | None = None
+    config: ServerConfig, stop: asyncio.Event, on_started: Callable[[Server], Coroutine[Any, Any, None]] | None = None
 ) -> None:
     """Run until ``stop`` is set (llmgw.runtime sets it on SIGTERM or SIGINT), then drain and stop."""
     server = Server(config)

@@ -6,6 +6,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Literal
 
 
 def utcnow() -> datetime:
@@ -118,7 +119,7 @@ class LimitRecord:
     rpm: int | None = None
     tpm: int | None = None
     budget_micros: int | None = None
-    period: str = "month"
+    period: Literal["day", "month"] = "month"  # the store refuses any other on write
     models: tuple[str, ...] | None = None  # None: no restriction; (): none allowed
     band: str | None = None
 

@@ -447,7 +447,7 @@ class FakeEngine:
     async def _hang(request: web.Request) -> web.Response:
         # aiohttp does not cancel handlers when the client leaves, so poll for
         # that instead of sleeping until shutdown.
-        while request.transport is not None and not request.transport.is_closing():
+        while request.transport is not None and not request.transport.is_closing():  # noqa: ASYNC110  (no event says the client left)
             await asyncio.sleep(0.05)
         return web.Response(status=500)  # the client is gone
 
@@ -833,7 +833,7 @@ class FakeEngine:
 
         def hist(name: str, help_: str, h: _Histogram) -> None:
             samples: list[tuple[str, str, float]] = [
-                ("_bucket", f'le="{_go_float(b)}"', c) for b, c in zip(h.buckets, h.counts)
+                ("_bucket", f'le="{_go_float(b)}"', c) for b, c in zip(h.buckets, h.counts, strict=True)
             ]
             samples += [("_bucket", 'le="+Inf"', h.n), ("_count", "", h.n), ("_sum", "", h.total)]
             # (no *_created series: vLLM in multiprocess mode has none either)

@@ -60,10 +60,11 @@ class Proc:
     def __init__(self, cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> None:
         self.cmd = cmd
         self.log = log
-        self._logf = open(log, "ab")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd
-        )
+        # The child holds its own copy of the log's descriptor; ours is closed once it is started.
+        with open(log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd
+            )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -78,11 +79,10 @@ class Proc:
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as exc:
                 self.proc.kill()
                 self.proc.wait(5)
-                raise AssertionError(f"{self.cmd[0]} did not stop within {timeout}s of signal {sig}")
-        self._logf.close()
+                raise AssertionError(f"{self.cmd[0]} did not stop within {timeout}s of signal {sig}") from exc
         return self.proc.returncode
 
     def text(self) -> str:

@@ -182,18 +182,18 @@ class _Server:
 
     def __init__(self, binary: Path, config: Path, workdir: Path) -> None:
         self.log = workdir / "server.log"
-        self._logf = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            [str(binary), "server", "--config", str(config)],
-            cwd=workdir,
-            env=_clean_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._logf,
-            stderr=subprocess.STDOUT,
-        )
+        # The server holds its own copy of the log's descriptor; ours is closed once it is started.
+        with open(self.log, "wb") as logf:
+            self.proc = subprocess.Popen(
+                [str(binary), "server", "--config", str(config)],
+                cwd=workdir,
+                env=_clean_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+            )
 
     def output(self) -> str:
-        self._logf.flush()
         text = self.log.read_text(errors="replace")
         return f"--- server output (exit code {self.proc.poll()}) ---\n{text[-8000:]}"
 
@@ -201,7 +201,6 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        self._logf.close()
 
 
 def test_server_keys_and_stop(frozen_llmgw: Path, tmp_path: Path) -> None:

@@ -34,11 +34,14 @@ def _engine(port: int, log) -> subprocess.Popen:
 
 def test_requests_on_a_stopped_engine_are_answered_by_the_other_replica_within_the_first_byte_timeout(tmp_path):
     ports = [free_port(), free_port()]
-    logs = [open(tmp_path / f"engine-{p}.log", "w") for p in ports]
-    engines = [_engine(p, f) for p, f in zip(ports, logs)]
+    engines = []
+    for p in ports:
+        # The engine holds its own copy of the descriptor; ours can close once it is started.
+        with open(tmp_path / f"engine-{p}.log", "w") as log:
+            engines.append(_engine(p, log))
     gw = None
     try:
-        for p, e in zip(ports, engines):
+        for p, e in zip(ports, engines, strict=True):
             wait_http(f"http://127.0.0.1:{p}/health", e, 30)
         gw = Gateway(
             tmp_path,
@@ -95,5 +98,3 @@ def test_requests_on_a_stopped_engine_are_answered_by_the_other_replica_within_t
         for e in engines:
             e.terminate()
             e.wait(10)
-        for f in logs:
-            f.close()

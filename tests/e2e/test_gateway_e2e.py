@@ -57,7 +57,7 @@ def cluster(engines, tmp_path):
 
 
 def test_chat_plain_and_usage_recorded(cluster):
-    gw, _, key, client = cluster
+    gw, _, _key, client = cluster
     r = client.chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
     )
@@ -130,14 +130,14 @@ def test_models_list_has_every_name_and_alias(cluster):
 
 
 def test_max_tokens_above_max_output_refused(cluster):
-    gw, _, _, client = cluster
+    _gw, _, _, client = cluster
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100)
     assert "max_tokens is 100, but this model allows at most 64" in str(ei.value)
 
 
 def test_refusals_in_openai_shape_and_nothing_recorded(cluster):
-    gw, _, key, client = cluster
+    gw, _, key, _client = cluster
     h = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     url = gw.url + "/v1/chat/completions"
     r = httpx.post(url, content=b"{not json", headers=h)
@@ -208,7 +208,7 @@ def test_one_engine_killed_traffic_continues(cluster):
     for i in range(12):
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"n{i}"}], max_tokens=4)
         assert r.choices
-    for i in range(4):
+    for _ in range(4):
         chunks = list(
             client.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "s"}], max_tokens=4, stream=True

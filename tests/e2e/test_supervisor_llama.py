@@ -85,15 +85,14 @@ def start_agent(tmp_path: Path, state_dir: Path, spec: ShardSpec, name: str) -> 
     script = tmp_path / "agent.py"
     script.write_text(AGENT)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    log = open(tmp_path / f"{name}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(state_dir), spec.model_dump_json()],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        env=env,
-        cwd=tmp_path,
-    )
-    log.close()
+    with open(tmp_path / f"{name}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(state_dir), spec.model_dump_json()],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            cwd=tmp_path,
+        )
     line = [b""]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
     reader.start()

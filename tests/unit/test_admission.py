@@ -298,7 +298,7 @@ async def test_admit_combines_fast_and_slow_path():
 
 
 async def test_admission_stats_report_queue_depth_by_band_saturation_and_rejections():
-    adm, load, _ = make(1.5)
+    adm, _load, _ = make(1.5)
     order: list[str] = []
     tasks = [await enqueue(adm, "m", band, "A", band, order) for band in ("low", "high", "high")]
     s = adm.stats(["m", "other"])

@@ -4,6 +4,7 @@ next agent), or, with supervisor.stop_engines_on_exit (`llmgw up`), stops them."
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 import pytest
 
@@ -13,7 +14,7 @@ from llmgw.config.agent import parse_agent_config
 
 
 class FakeSupervisor:
-    instances: list[FakeSupervisor] = []
+    instances: ClassVar[list[FakeSupervisor]] = []
 
     def __init__(self, *args, **kwargs) -> None:
         self.calls: list[str] = []
@@ -21,7 +22,7 @@ class FakeSupervisor:
 
     async def adopt(self):
         class Report:
-            adopted: list[str] = []
+            adopted: ClassVar[list[str]] = []
 
         return Report()
 
@@ -125,10 +126,10 @@ def test_a_binary_agent_yaml_names_is_reported_and_never_installed(tmp_path):
     agent = service.Agent(cfg, Identity(node_id="n", mgmt_addr="127.0.0.1", mgmt_interface=None))
 
     class Installer:
-        statuses: dict = {}
+        statuses: ClassVar[dict] = {}
 
     class Converge:
-        wanted: list = []
+        wanted: ClassVar[list] = []
 
         def want(self, wants) -> None:
             Converge.wanted = list(wants)

@@ -1,5 +1,10 @@
+import json
 import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from typer.testing import CliRunner
 
 from llmgw import __version__
@@ -92,13 +97,6 @@ def test_keys_use_the_store_of_the_config(tmp_path):
 
 
 # -- ctl against a stub admin API ----------------------------------------------
-
-import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-import pytest
 
 
 class StubAdmin:

@@ -40,7 +40,7 @@ async def test_the_real_agent_registers_heartbeats_and_answers_a_request(tmp_pat
         )
     )
     log_path = tmp_path / "agent.log"
-    with open(log_path, "wb") as out:
+    with open(log_path, "wb") as out:  # noqa: ASYNC230  # a local log file for the child's stdout: nothing to wait on
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestServer
 
 from llmgw.config.server import MirrorConfig, ServerConfig
 from llmgw.files import write_secret_file
+from llmgw.protocol.mirror_api import MirrorVersion
 from llmgw.server.app import Server
 from llmgw.server.control.mirror_client import MirrorClient, MirrorRefused, MirrorUnavailable, entry_from_version
 from llmgw.testing.admin import admin_headers
@@ -29,8 +30,13 @@ def version(model="qwen", ver="2026-11-01", state="present", files=None, reason=
     }
 
 
+def mirrored(**kw) -> MirrorVersion:
+    """A version as the admin API reads it from the mirror."""
+    return MirrorVersion.model_validate(version(**kw))
+
+
 def test_entry_from_a_single_gguf():
-    e = entry_from_version(version(), BASE)
+    e = entry_from_version(mirrored(), BASE)
     assert e == {
         "name": "qwen",
         "source": f"{BASE}/qwen/2026-11-01/q.gguf",
@@ -40,17 +46,17 @@ def test_entry_from_a_single_gguf():
 
 def test_entry_from_a_shard_set_points_at_the_version():
     files = [{"name": f"q-0000{i}-of-00002.gguf", "state": "present", "bytes": 2 * GiB} for i in (1, 2)]
-    e = entry_from_version(version(files=files), BASE, name="qwen-big", scaling={"min": 0})
+    e = entry_from_version(mirrored(files=files), BASE, name="qwen-big", scaling={"min": 0})
     assert e["source"] == f"{BASE}/qwen/2026-11-01/" and e["name"] == "qwen-big" and e["scaling"] == {"min": 0}
     assert e["profiles"][0]["min_memory_gb"] == 8.0
 
 
 def test_entry_refusals_say_why():
     with pytest.raises(ValueError, match="is fetching; only a version that is present can be served"):
-        entry_from_version(version(state="fetching"), BASE)
+        entry_from_version(mirrored(state="fetching"), BASE)
     with pytest.raises(ValueError, match="failed: truncated"):
-        entry_from_version(version(state="failed", reason="truncated"), BASE)
-    st = version(
+        entry_from_version(mirrored(state="failed", reason="truncated"), BASE)
+    st = mirrored(
         files=[
             {"name": "model.safetensors", "state": "present", "bytes": GiB},
             {"name": "config.json", "state": "present", "bytes": 100},
@@ -61,7 +67,14 @@ def test_entry_refusals_say_why():
     e = entry_from_version(st, BASE, gpu_class="h100-80g")
     assert e["profiles"][0] == {"engine": "vllm", "gpu_class": "h100-80g", "min_memory_gb": 3.5}
     with pytest.raises(ValueError, match="holds no model weights"):
-        entry_from_version(version(files=[{"name": "README.md", "state": "present", "bytes": 1}]), BASE)
+        entry_from_version(mirrored(files=[{"name": "README.md", "state": "present", "bytes": 1}]), BASE)
+
+
+def test_entry_counts_a_file_without_a_state_as_present():
+    e = entry_from_version(mirrored(files=[{"name": "q.gguf", "bytes": 4 * GiB}]), BASE)
+    assert e["source"] == f"{BASE}/qwen/2026-11-01/q.gguf"
+    with pytest.raises(ValueError, match="holds no model weights"):
+        entry_from_version(mirrored(files=[{"name": "q.gguf", "state": None, "bytes": 4 * GiB}]), BASE)
 
 
 class FakeMirror:

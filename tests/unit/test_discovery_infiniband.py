@@ -102,7 +102,7 @@ def build_sysfs(tmp_path: Path) -> Path:
 
 
 def test_an_infiniband_port_is_read(tmp_path):
-    mlx5_0, mlx5_1, mlx5_2 = read_adapters(build_sysfs(tmp_path))
+    mlx5_0, _mlx5_1, _mlx5_2 = read_adapters(build_sysfs(tmp_path))
     assert (mlx5_0.name, mlx5_0.fw_ver, mlx5_0.board_id) == ("mlx5_0", "28.39.1002", "MT_0000000838")
     assert mlx5_0.node_guid == "0xb83fd20300a12b3c"
     assert mlx5_0.pci_address == "0000:1a:00.0" and mlx5_0.numa_node == 0

@@ -216,7 +216,7 @@ async def test_upstream_model_name_is_sent(tmp_path):
 
 
 async def test_load_from_scraped_metrics_steers_traffic(env):
-    a, b = env.engines
+    a, _b = env.engines
     a.waiting = 10  # a's engine reports a queue (say, from another gateway)
     await async_until(
         lambda: {ep.url: ep.waiting for ep in env.server.endpoints.endpoints}.get(a.url) == 10,

@@ -145,7 +145,7 @@ async def test_concurrent_settlement_leaves_every_pool_equal_to_its_usage_rows(f
 
 
 async def test_a_key_may_use_only_its_allowed_models(fleet):
-    server, engines, issued = fleet
+    server, _engines, issued = fleet
     await server.store.set_limits("team", "Acme/platform", models=["m"])
     await server.keys.load()
     async with _client(server, issued.secret) as http:
@@ -193,7 +193,7 @@ async def test_saturated_pool_queues_then_sheds_with_retry_after(tmp_path):
 
 
 async def test_a_claim_link_shows_its_key_once(fleet):
-    server, engines, _ = fleet
+    server, _engines, _ = fleet
     issued = await server.store.issue_key("for-ann", project="Acme/platform/gateway", claim=True)
     assert issued.claim_token
     base = f"http://127.0.0.1:{server.config.listen.port}"

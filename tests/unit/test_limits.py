@@ -342,7 +342,7 @@ def test_concurrent_settle_sums_equal_recorded_costs():
 
 
 def test_exactly_100_of_500_admitted_at_one_instant():
-    acc, clock, _ = accountant()
+    acc, _clock, _ = accountant()
     p = principal(Pool("key:k1", rpm=100))
     ok = 0
     for _ in range(500):
@@ -355,7 +355,7 @@ def test_exactly_100_of_500_admitted_at_one_instant():
 
 
 def test_exactly_100_of_500_with_gather():
-    acc, clock, _ = accountant()
+    acc, _clock, _ = accountant()
     p = principal(Pool("key:k1", rpm=100), Pool("project:p1", rpm=1000))
 
     async def one() -> bool:

@@ -204,7 +204,7 @@ async def api(tmp_path):
 
 
 async def test_add_single_file_202(api):
-    client, mgr = api
+    client, _mgr = api
     r = await client.post(
         "/v1/models", json={"source": "https://h/x/q.gguf?download=true", "model": "qwen", "version": "v1"}
     )

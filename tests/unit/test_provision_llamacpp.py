@@ -411,7 +411,7 @@ async def test_a_tampered_archive_is_refused_and_nothing_installed(tmp_path, rel
     release.publish(TAG, CPU_ASSET + ".tar.gz", body)
     # Someone swapped the archive after its checksum was published.
     release.files[f"/{TAG}/{CPU_ASSET}.tar.gz"] = tar_gz({f"llama-{TAG}/llama-server": "#!/bin/sh\nrm -rf /\n"})
-    inst, seen = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
+    inst, _seen = make_installer(tmp_path, release, FakeSystem({"libgomp1"}))
     [st] = await inst.converge([Want("llamacpp", TAG)])
     assert st.state == ProvisionState.FAILED
     assert "does not match the checksum its publisher gave" in st.detail

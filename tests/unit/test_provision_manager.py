@@ -8,7 +8,7 @@ import pytest
 
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import INSTALLABLE, ConvergeLoop, Installer, Want
-from llmgw.agent.provision.status import NotHere, ProvisionError, ProvisionStatus, Reporter, Unsupported
+from llmgw.agent.provision.status import InstallRecord, NotHere, ProvisionError, Reporter, Unsupported
 from llmgw.protocol import ProvisionState
 from llmgw.testing.waiting import async_until
 
@@ -48,7 +48,7 @@ class SlowLlama:
 
 
 def make(llama=None):
-    seen: list[ProvisionStatus] = []
+    seen: list[InstallRecord] = []
     inst = Installer("/nonexistent/engines", HOST, on_status=seen.append, llamacpp=llama or SlowLlama())
     return inst, seen
 
@@ -102,7 +102,7 @@ async def test_failures_keep_the_agent_running_with_words():
     ]:
         llama = SlowLlama()
         llama.error = error
-        inst, seen = make(llama)
+        inst, _seen = make(llama)
         [st] = await inst.converge([Want("llamacpp", "b1")])
         assert st.state == state and str(error) in st.detail
         assert st.binary == "" and st.bytes_done is None
@@ -118,7 +118,7 @@ async def test_a_broken_listener_does_not_fail_the_install():
 
 
 def test_the_status_matches_the_protocol():
-    st = ProvisionStatus(
+    st = InstallRecord(
         "llamacpp", "b1", ProvisionState.INSTALLING, "downloading x", "cpu", bytes_done=5, bytes_total=None
     )
     wire = st.to_wire()
@@ -133,16 +133,16 @@ def test_the_status_matches_the_protocol():
     protocol = pytest.importorskip("llmgw.protocol")
     parsed = protocol.ProvisionStatus.model_validate(wire)
     assert parsed.state.value == "installing" and parsed.progress.bytes_total is None
-    ready = ProvisionStatus("vllm", "0.30.0", ProvisionState.SKIPPED, "has none").to_wire()
+    ready = InstallRecord("vllm", "0.30.0", ProvisionState.SKIPPED, "has none").to_wire()
     assert protocol.ProvisionStatus.model_validate(ready).detail == "has none"
     assert set(INSTALLABLE) == {"llamacpp", "vllm", "sglang"}
 
 
 def test_progress_is_rate_limited_but_changes_of_words_are_not():
     now = [0.0]
-    sent: list[ProvisionStatus] = []
+    sent: list[InstallRecord] = []
     r = Reporter(
-        ProvisionStatus("e", "1", ProvisionState.INSTALLING), sent.append, min_interval=1.0, clock=lambda: now[0]
+        InstallRecord("e", "1", ProvisionState.INSTALLING), sent.append, min_interval=1.0, clock=lambda: now[0]
     )
     r.installing("downloading a")
     for done in range(1, 10):
@@ -160,8 +160,8 @@ def test_progress_is_rate_limited_but_changes_of_words_are_not():
 
 def test_the_loop_backs_off_after_failure_and_rechecks_every_ten_minutes():
     loop = ConvergeLoop(Installer("/x", HOST, llamacpp=SlowLlama()))
-    failed = [ProvisionStatus("llamacpp", "b1", ProvisionState.FAILED, "x")]
-    ok = [ProvisionStatus("llamacpp", "b1", ProvisionState.READY, "x")]
+    failed = [InstallRecord("llamacpp", "b1", ProvisionState.FAILED, "x")]
+    ok = [InstallRecord("llamacpp", "b1", ProvisionState.READY, "x")]
     assert [loop.next_delay(failed) for _ in range(6)] == [60, 120, 240, 480, 600, 600]
     assert loop.next_delay(ok) == 600
     assert loop.next_delay(failed) == 60
@@ -169,7 +169,7 @@ def test_the_loop_backs_off_after_failure_and_rechecks_every_ten_minutes():
 
 async def test_the_loop_runs_a_pass_when_the_wanted_set_changes():
     llama = SlowLlama()
-    inst, seen = make(llama)
+    inst, _seen = make(llama)
     loop = ConvergeLoop(inst, recheck=0.05)
     task = asyncio.create_task(loop.run())
     try:

@@ -303,7 +303,7 @@ async def test_sglang_is_proved_by_importing_it(tmp_path, servers):
 async def test_a_node_that_cannot_run_it_touches_nothing(tmp_path, servers, host, state, words):
     _, requests = servers
     system = FakeUV(installed=())
-    inst, seen = make(tmp_path, servers, system, host=host)
+    inst, _seen = make(tmp_path, servers, system, host=host)
     [st] = await inst.converge([Want("vllm", "0.30.0")])
     assert st.state == state and words in st.detail
     assert system.calls == [] and requests == []

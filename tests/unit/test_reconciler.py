@@ -305,7 +305,7 @@ async def test_a_lost_node_has_its_replica_placed_again_at_once(clock):
     fleet.add("n2")
     rec = make(fleet, [model("m")], clock)
     await rec.tick()
-    ((node, spec),) = fleet.starts()
+    ((node, _spec),) = fleet.starts()
     ready_all(fleet, rec)
     assert rec.endpoints.model_ready("m")
     fleet.svc.get(node).state = NodeState.UNREACHABLE
@@ -500,7 +500,7 @@ async def test_model_leaving_the_catalog_is_stopped(clock):
     rec.catalog = Catalog([model("a")])
     await rec.tick()
     await settle()
-    ((node, msg),) = fleet.stops()
+    ((_node, msg),) = fleet.stops()
     assert msg.reason == "model b left the catalog"
 
 

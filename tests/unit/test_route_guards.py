@@ -129,7 +129,7 @@ async def test_admin_routes_refuse_what_only_a_browser_or_a_rebinding_page_sends
     auth = admin_headers(server)
     base = _base(server, "admin_listen")
     async with httpx.AsyncClient() as http:
-        for (listener, method, path), guard in GUARDS.items():
+        for listener, method, path in GUARDS:
             if listener != "admin_listen":
                 continue
             url = base + _concrete(path)

@@ -48,11 +48,12 @@ async def _run(tmp_path, routing: dict, bodies: list[dict]):
                     f"http://127.0.0.1:{server.config.admin_listen.port}/metrics", headers=admin_headers(server)
                 )
             ).text
-        order = []
-        for i, e in enumerate(engines):
-            for q in e.requests:
-                if q.path == "/v1/chat/completions":
-                    order.append((q.body["messages"][-1]["content"], i))
+        order = [
+            (q.body["messages"][-1]["content"], i)
+            for i, e in enumerate(engines)
+            for q in e.requests
+            if q.path == "/v1/chat/completions"
+        ]
         return dict(order), metrics
     finally:
         await server.stop()

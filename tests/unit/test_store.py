@@ -92,7 +92,7 @@ async def test_concurrent_processes_open_fresh_database(address):
     for p in procs:
         p.stdin.write(b"go\n")
     results = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 60)
-    for p, (out, err) in zip(procs, results):
+    for p, (out, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err.decode()
         assert out.decode().strip() == "0"
 

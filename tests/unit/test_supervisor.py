@@ -529,7 +529,8 @@ def _write_record(state_dir: Path, shard_id: str, pid: int, start_time: int, arg
 
 async def test_a_zombie_is_dead(make_sup, state_dir):
     argv = [sys.executable, "-c", "pass"]
-    child = subprocess.Popen(argv)
+    # Popen, not asyncio's: asyncio's child watcher would reap the child, and the test needs it a zombie.
+    child = subprocess.Popen(argv)  # noqa: ASYNC220  # fork+exec, no wait; see above
     try:
         await async_until(lambda: (read_stat(child.pid) or parse_stat("1 (x) Z")).state == "Z", what="a zombie")
         assert not alive(child.pid)  # kill(pid, 0) would still say yes
@@ -545,7 +546,7 @@ async def test_a_zombie_is_dead(make_sup, state_dir):
 
 
 async def test_a_reused_pid_is_left_alone(make_sup, state_dir):
-    other = subprocess.Popen(["sleep", "60"])
+    other = await asyncio.create_subprocess_exec("sleep", "60")
     try:
         st = read_stat(other.pid)
         # Same pid, another start time: the recorded engine is gone and the pid was reused.
@@ -563,12 +564,12 @@ async def test_a_reused_pid_is_left_alone(make_sup, state_dir):
         assert list((state_dir / "shards").iterdir()) == []
     finally:
         other.kill()
-        other.wait()
+        await other.wait()
 
 
 async def test_a_gone_engine_is_dropped(make_sup, state_dir):
-    p = subprocess.Popen(["true"])
-    p.wait()
+    p = await asyncio.create_subprocess_exec("true")
+    await p.wait()
     _write_record(state_dir, "g", p.pid, 1, ["true"])
     sup = make_sup()
     report = await sup.adopt()
@@ -592,27 +593,35 @@ async def test_engines_nothing_accounts_for_are_swept(make_sup, engine_py, state
     ours = {**os.environ, ENV_SHARD_ID: "ghost", ENV_STATE_DIR: str(state_dir.resolve())}
     theirs = {**os.environ, ENV_SHARD_ID: "ghost", ENV_STATE_DIR: str(tmp_path / "another-agent")}
     up = tmp_path / "stubborn.up"  # written once SIGTERM is ignored
-    stubborn = subprocess.Popen(
-        [sys.executable, str(engine_py), "--ignore-term", "--started-file", str(up)],
+    stubborn = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(engine_py),
+        "--ignore-term",
+        "--started-file",
+        str(up),
         env=ours,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
     )
-    plain = subprocess.Popen(["sleep", "60"], env=ours, start_new_session=True)
-    foreign = subprocess.Popen(["sleep", "60"], env=theirs, start_new_session=True)
+    plain = await asyncio.create_subprocess_exec("sleep", "60", env=ours, start_new_session=True)
+    foreign = await asyncio.create_subprocess_exec("sleep", "60", env=theirs, start_new_session=True)
     try:
         await async_until(up.exists, what="the stubborn engine up")
         sup = make_sup()
         report = await sup.adopt()
         assert sorted(k.pid for k in report.killed) == sorted([stubborn.pid, plain.pid])
         assert all(k.shard_id == "ghost" for k in report.killed)
-        assert stubborn.wait(5) == -signal.SIGKILL  # ignored SIGTERM, got SIGKILL after the grace
-        assert plain.wait(5) == -signal.SIGTERM
-        assert foreign.poll() is None  # another agent's engine is not ours to kill
+        # Ignored SIGTERM, got SIGKILL after the grace.
+        assert await asyncio.wait_for(stubborn.wait(), 5) == -signal.SIGKILL
+        assert await asyncio.wait_for(plain.wait(), 5) == -signal.SIGTERM
+        assert foreign.returncode is None and alive(foreign.pid)  # another agent's engine is not ours to kill
     finally:
         for p in (stubborn, plain, foreign):
-            p.kill()
-            p.wait()
+            try:
+                p.kill()
+            except ProcessLookupError:  # asyncio's kill() of one already reaped
+                pass
+            await p.wait()
 
 
 async def test_the_sweep_spares_running_shards_and_their_children(make_sup, engine_py, tmp_path):

@@ -78,7 +78,7 @@ async def test_tree_names_unique_among_siblings_only(store):
 
 
 async def test_rename_move_remove(store):
-    org, team, proj = await _acme(store)
+    _org, _team, proj = await _acme(store)
     await store.add_team("data", "Acme")
     gen = await store.keys_generation()
     renamed = await store.rename("project", "Acme/platform/gateway", "gw")
@@ -140,7 +140,7 @@ async def test_users_create_verify_state(store):
 
 
 async def test_memberships_reach_and_leave_revokes(store):
-    org, team, proj = await _acme(store)
+    _org, team, proj = await _acme(store)
     await store.add_project("other", "Acme/platform")
     u = await store.create_user("a@example.com", "password1")
     with pytest.raises(
@@ -168,7 +168,7 @@ async def test_memberships_reach_and_leave_revokes(store):
     tree = await store.tree(people=True)
     assert {(m.scope, m.role) for m in tree.memberships} == {("project", "member"), ("org", "manager")}
     # Deleting the person revokes every key of theirs.
-    person, revoked = await store.delete_user(u.id)
+    _person, revoked = await store.delete_user(u.id)
     assert sorted(k.id for k in revoked) == sorted([k1.key.id, personal.key.id])
     assert all(k.revoked_at for k in await store.list_keys())
     assert not (await store.tree(people=True)).memberships
@@ -180,7 +180,7 @@ async def test_memberships_reach_and_leave_revokes(store):
 async def test_issue_key_project_choice(store):
     with pytest.raises(StoreError, match="none yet"):
         await store.issue_key("k")
-    org, team, proj = await _acme(store)
+    _org, _team, proj = await _acme(store)
     issued = await store.issue_key("k", band="high")  # the only project
     assert issued.key.project_id == proj.id and issued.key.project == "Acme/platform/gateway"
     assert issued.key.band == "high"
@@ -194,7 +194,7 @@ async def test_issue_key_project_choice(store):
 
 
 async def test_claim_works_once(store):
-    org, team, proj = await _acme(store)
+    _org, _team, proj = await _acme(store)
     issued = await store.issue_key("k", project=proj.id, claim=True)
     assert issued.claim_token and issued.claim_expires_at > datetime.now(UTC)
     async with store.engine.connect() as conn:
@@ -223,7 +223,7 @@ async def test_claim_works_once(store):
 
 
 async def test_limits_set_merge_clear_and_refusals(store):
-    org, team, proj = await _acme(store)
+    _org, team, proj = await _acme(store)
     gen = await store.keys_generation()
     level, sid, row = await store.set_limits("team", "Acme/platform", rpm=60, budget_micros=5_000_000)
     assert (level, sid) == ("team", team.id) and (row.rpm, row.budget_micros, row.period) == (60, 5_000_000, "month")
@@ -319,7 +319,7 @@ async def test_principal_pools_band_models(store):
 
 
 async def test_principal_personal_and_unowned_keys(store):
-    org, team, proj = await _acme(store)
+    org, _team, proj = await _acme(store)
     u = await store.create_user("a@example.com", "password1")
     await store.set_limits("org", org.id, per_member=True, rpm=1)
     await store.set_limits("org", org.id, band="high")
@@ -340,7 +340,7 @@ async def test_principal_personal_and_unowned_keys(store):
 
 
 async def test_key_cache_reloads_on_tree_and_limit_changes(store):
-    org, team, proj = await _acme(store)
+    _org, team, proj = await _acme(store)
     u = await store.create_user("a@example.com", "password1")
     await store.join(u.id, "project", proj.id)
     issued = await store.issue_key("k", project=proj.id, owner=u.id)

@@ -107,7 +107,7 @@ def test_rewrites_a_different_file(tmp_path, vocab):
 def test_failed_write_leaves_nothing(tmp_path):
     bad = tmp_path / "not-a-vocab.gguf"
     bad.write_bytes(b"garbage")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):  # gguf's reader: "GGUF magic invalid"
         tm.write_tiny_model(tmp_path / "out" / "tiny.gguf", vocab=bad)
     assert list((tmp_path / "out").iterdir()) == []
 

@@ -14,6 +14,7 @@ from .collect import (
 )
 from .commands import CommandResult, run_command
 from .disk import collect_storage, is_shared_fstype, parse_mounts
+from .errors import DiscoveryError
 from .fabric import apply_fabric, collect_imex, normalize_bus_id, parse_gpu_fabric
 from .gpu_nvml import NVMLReader, NVMLUnavailable
 from .gpu_smi import SMIError, parse_query_csv, query_gpus, query_usage
@@ -26,6 +27,7 @@ from .topology import Topology, TopologyError, apply_topology, parse_topology
 __all__ = [
     "CommandResult",
     "Discovery",
+    "DiscoveryError",
     "DiscoveryOptions",
     "LoadSampler",
     "NVMLReader",

@@ -296,10 +296,9 @@ class Discovery:
         # -q sections are keyed by PCI address, usage by index: the bus ids
         # come from the GPU list, read once.
         if self._bus_by_index is None:
-            if self._nvml is not None:
-                gpus = self._nvml.gpus()
-            else:
-                gpus = query_gpus(self._smi, self.options.run)  # type: ignore[arg-type]
+            gpus = (
+                self._nvml.gpus() if self._nvml is not None else query_gpus(self._smi, self.options.run)  # type: ignore[arg-type]  # only called with self._smi set
+            )
             self._bus_by_index = {g.index: fabric_mod.normalize_bus_id(g.pci_bus_id) for g in gpus if g.pci_bus_id}
         for u in usage:
             bus = self._bus_by_index.get(u.index)

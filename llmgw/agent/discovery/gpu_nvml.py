@@ -11,13 +11,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from llmgw.errors import LlmgwError
 from llmgw.protocol import GPU, GPUUsage, NVLinkPeer
 
+from .errors import DiscoveryError
 from .fabric import normalize_bus_id
 
 
-class NVMLUnavailable(LlmgwError, RuntimeError):
+class NVMLUnavailable(DiscoveryError, RuntimeError):
     """NVML cannot be used here; the message says why."""
 
     def __init__(self, message: str, *, no_driver: bool = False):
@@ -29,10 +29,11 @@ class NVMLUnavailable(LlmgwError, RuntimeError):
 
 def load_pynvml() -> ModuleType | None:
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml  # without stubs (pyproject.toml lets it be missing), so Any to mypy
     except ImportError:
         return None
-    return pynvml
+    module: ModuleType = pynvml
+    return module
 
 
 def _text(v: Any) -> str:
@@ -147,7 +148,7 @@ class NVMLReader:
         max_links = getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)
         switch_links: dict[int, int] = {}
         direct: dict[int, dict[int, int]] = {}
-        for g, h in zip(gpus, self._handles):
+        for g, h in zip(gpus, self._handles, strict=True):
             for link in range(max_links):
                 try:
                     state = nvml.nvmlDeviceGetNvLinkState(h, link)
@@ -167,10 +168,10 @@ class NVMLReader:
                 elif peer != g.index:
                     counts = direct.setdefault(g.index, {})
                     counts[peer] = counts.get(peer, 0) + 1
-        for g, h in zip(gpus, self._handles):
+        for g, h in zip(gpus, self._handles, strict=True):
             peers = dict(direct.get(g.index, {}))
             if switch_links.get(g.index):
-                for other, oh in zip(gpus, self._handles):
+                for other, oh in zip(gpus, self._handles, strict=True):
                     if other.index == g.index or not switch_links.get(other.index) or other.index in peers:
                         continue
                     if self._p2p_nvlink(h, oh) is not False:
@@ -184,4 +185,4 @@ class NVMLReader:
         status = self._try(nvml.nvmlDeviceGetP2PStatus, a, b, nvml.NVML_P2P_CAPS_INDEX_NVLINK)
         if status is None:
             return None
-        return status == nvml.NVML_P2P_STATUS_OK
+        return bool(status == nvml.NVML_P2P_STATUS_OK)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from llmgw.errors import LlmgwError
 from llmgw.protocol import GPU, GPUUsage
 
 from .commands import Runner
+from .errors import DiscoveryError
 
 QUERY_FIELDS: tuple[str, ...] = (
     "index",
@@ -43,7 +43,7 @@ _UNKNOWN = re.compile(
 _INVALID_FIELD = re.compile(r'Field "([^"]+)" is not a valid field to query', re.I)
 
 
-class SMIError(LlmgwError, RuntimeError):
+class SMIError(DiscoveryError, RuntimeError):
     """nvidia-smi ran and gave no usable answer; the message says why."""
 
 

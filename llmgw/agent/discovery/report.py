@@ -123,8 +123,7 @@ def _gpus(inv: NodeInventory, out: list[str]) -> None:
             f = g.fabric
             dom = f"domain {f.domain}" if f.domain else "no multi-node domain"
             out.append(f"      fabric: {f.state or '?'}{'/' + f.status if f.status else ''}, {dom}")
-        for p in g.problems or ():
-            out.append(f"      PROBLEM: {p}")
+        out.extend(f"      PROBLEM: {p}" for p in g.problems or ())
     if inv.imex is not None:
         out.append(f"  IMEX: {inv.imex.state or 'not installed'}, {inv.imex.channels or 0} channel(s)")
 

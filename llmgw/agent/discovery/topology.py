@@ -14,8 +14,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from llmgw.errors import LlmgwError
 from llmgw.protocol import GPU, NIC_PATH_ORDER, NVLinkPeer
+
+from .errors import DiscoveryError
 
 TOPO_TIMEOUT_S = 15.0
 
@@ -28,7 +29,7 @@ _AFFINITY_COLUMNS = {"CPU Affinity", "NUMA Affinity", "GPU NUMA ID"}
 _ALIASES = {"SOC": "SYS"}
 
 
-class TopologyError(LlmgwError, ValueError):
+class TopologyError(DiscoveryError, ValueError):
     """The text is not a topology matrix (often nvidia-smi's own error message)."""
 
 
@@ -45,11 +46,8 @@ class Topology:
 
 def _cells(line: str) -> list[str]:
     line = line.rstrip("\r\n")
-    if "\t" in line:
-        parts = line.split("\t")
-    else:
-        # Copied output that lost its tabs: columns are at least two spaces apart.
-        parts = re.split(r"\s{2,}", line)
+    # Copied output that lost its tabs: columns are at least two spaces apart.
+    parts = line.split("\t") if "\t" in line else re.split(r"\s{2,}", line)
     return [p.strip() for p in parts]
 
 
@@ -65,7 +63,7 @@ def _header_cells(line: str) -> list[str]:
 def parse_topology(text: str) -> Topology:
     text = _ANSI.sub("", text)
     lines = text.splitlines()
-    legend = {m.group(1): m.group(2) for m in (_LEGEND.match(l) for l in lines) if m}
+    legend = {m.group(1): m.group(2) for m in (_LEGEND.match(ln) for ln in lines) if m}
 
     start, header = -1, []
     for i, line in enumerate(lines):
@@ -92,7 +90,7 @@ def parse_topology(text: str) -> Topology:
             continue  # an adapter's row repeats the same distances from its side
         gpu = int(m.group(1))
         rows += 1
-        for col, value in zip(header, cells[1:]):
+        for col, value in zip(header, cells[1:], strict=False):  # a row may be short of trailing columns
             peer = _GPU.match(col)
             if peer:
                 nv = _NV.match(value)

@@ -17,6 +17,7 @@ from llmgw.agent.engines.check import (
     truncation_signs,
 )
 from llmgw.agent.engines.common import nccl_env, quantization_of
+from llmgw.agent.engines.errors import EngineError
 from llmgw.agent.engines.health import Readiness, listed_models, lists_model, probe
 from llmgw.agent.engines.llamacpp import resolve_gguf
 from llmgw.agent.engines.plan import Command, HealthCheck, LaunchPlan, LaunchRefused, MetricNames
@@ -41,6 +42,7 @@ __all__ = [
     "EngineAdapter",
     "EngineCheck",
     "EngineCheckReport",
+    "EngineError",
     "EngineSettings",
     "Group",
     "HealthCheck",

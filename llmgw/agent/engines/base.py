@@ -131,25 +131,23 @@ class EngineAdapter(ABC):
     def sample_launches(self) -> list[ShardLaunch]:
         """The widest launches llmgw builds (multi-node leader and worker where the engine spans nodes)."""
         gpus = [GPU(index=i, name="NVIDIA H100 80GB HBM3", compute_capability="9.0") for i in range(2)]
-        out = []
-        for rank in (0, 1):
-            out.append(
-                ShardLaunch(
-                    shard_id="engine-check",
-                    engine=self.name,
-                    model="/models/m",
-                    served_name="m",
-                    port=8000,
-                    profile=Profile(
-                        tp=4, nodes=2, gpu_ids=[0, 1], ctx_size=8192, parallel=8, dtype="bfloat16", quantization="fp8"
-                    ),
-                    group=Group(rank=rank, leader_addr="10.0.0.1", leader_port=29500),
-                    node=NodeFacts(gpus=gpus, interface="eth0"),
-                    fabric="ib",
-                    api_key="engine-check",
-                )
+        return [
+            ShardLaunch(
+                shard_id="engine-check",
+                engine=self.name,
+                model="/models/m",
+                served_name="m",
+                port=8000,
+                profile=Profile(
+                    tp=4, nodes=2, gpu_ids=[0, 1], ctx_size=8192, parallel=8, dtype="bfloat16", quantization="fp8"
+                ),
+                group=Group(rank=rank, leader_addr="10.0.0.1", leader_port=29500),
+                node=NodeFacts(gpus=gpus, interface="eth0"),
+                fabric="ib",
+                api_key="engine-check",
             )
-        return out
+            for rank in (0, 1)
+        ]
 
     def check_flags(self) -> list[str]:
         """Every flag llmgw passes this engine, from the real builder so the two cannot drift."""

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from llmgw.agent.engines.base import EngineAdapter
 from llmgw.agent.engines.registry import adapter_for
@@ -52,7 +53,7 @@ class EngineCheckReport(EngineCheck):
     exit_code: int | None = None
     help_lines: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ok": self.ok}
 
 

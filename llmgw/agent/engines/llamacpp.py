@@ -6,9 +6,9 @@ import os
 
 from llmgw.agent.engines.base import EngineAdapter
 from llmgw.agent.engines.common import field_args, finish_env, gpu_env, has_flag, owned_flag_problems, twice_problems
+from llmgw.agent.engines.errors import EngineError
 from llmgw.agent.engines.plan import Command, MetricNames
 from llmgw.agent.engines.spec import EngineSettings, Profile, ShardLaunch
-from llmgw.errors import LlmgwError
 
 _OWNED = {
     "--model": "the model source",
@@ -22,7 +22,7 @@ _CTX = ("--ctx-size", "-c")
 _PARALLEL = ("--parallel", "-np")
 
 
-class NoWeights(LlmgwError, ValueError):
+class NoWeights(EngineError, ValueError):
     pass
 
 

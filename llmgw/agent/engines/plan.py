@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmgw.errors import LlmgwError
+from llmgw.agent.engines.errors import EngineError
 
 
-class LaunchRefused(LlmgwError, ValueError):
+class LaunchRefused(EngineError, ValueError):
     """A shard that must not be started, with every reason found (not just the first)."""
 
     def __init__(self, shard_id: str, reasons: list[str]):

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from llmgw.agent.engines.base import EngineAdapter
+from llmgw.agent.engines.errors import EngineError
 from llmgw.agent.engines.llamacpp import LlamaCpp
 from llmgw.agent.engines.plan import LaunchPlan, LaunchRefused, MetricNames
 from llmgw.agent.engines.sglang import SGLang
 from llmgw.agent.engines.spec import EngineSettings, ShardLaunch
 from llmgw.agent.engines.vllm import VLLM
-from llmgw.errors import LlmgwError
 
 ADAPTERS: dict[str, EngineAdapter] = {a.name: a for a in (LlamaCpp(), VLLM(), SGLang())}
 
 
-class UnknownEngine(LlmgwError, ValueError):
+class UnknownEngine(EngineError, ValueError):
     def __init__(self, engine: str):
         self.engine = engine
         super().__init__(f'unknown engine "{engine}": llmgw runs {", ".join(ADAPTERS)}; fix the profile\'s engine')

@@ -11,6 +11,7 @@ that each look harmless can still point out together).
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import shutil
@@ -21,7 +22,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from llmgw.paths import PathRefused, inside, relative_path
 
@@ -44,14 +45,14 @@ class _Entry:
     mode: int
     size: int = 0
     link: str = ""  # symlink target as written, or the hard link's cleaned source
-    open: Callable[[], BinaryIO] | None = None
+    open: Callable[[], IO[bytes] | None] | None = None
 
 
 def detect_format(path: Path) -> str:
     """``zip`` or ``tar``, from the file's contents rather than its name."""
     with open(path, "rb") as f:
         head = f.read(6)
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return "zip"
     # gzip, bzip2, xz; tarfile itself recognises an uncompressed tar.
     if head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ")) or tarfile.is_tarfile(path):
@@ -117,7 +118,7 @@ def _tar_entries(tf: tarfile.TarFile, label: str) -> Iterator[_Entry]:
         if not name:
             continue  # "./": the root itself
         if m.isreg():
-            yield _Entry(name, "file", m.mode, m.size, open=lambda m=m: tf.extractfile(m))  # type: ignore[misc,return-value]
+            yield _Entry(name, "file", m.mode, m.size, open=functools.partial(tf.extractfile, m))
         elif m.isdir():
             yield _Entry(name, "dir", m.mode)
         elif m.issym():
@@ -161,7 +162,7 @@ def _zip_entries(zf: zipfile.ZipFile, label: str) -> Iterator[_Entry]:
             raise _refuse(label, info.filename, "is a socket")
         else:
             # fmt 0: made on a system that records no Unix mode; a plain file.
-            yield _Entry(name, "file", (mode & 0o7777) or 0o644, info.file_size, open=lambda info=info: zf.open(info))  # type: ignore[misc]
+            yield _Entry(name, "file", (mode & 0o7777) or 0o644, info.file_size, open=functools.partial(zf.open, info))
 
 
 # ------------------------------------------------------------------ checking
@@ -195,11 +196,8 @@ def _check_all(entries: list[_Entry], label: str, max_unpacked: int) -> None:
         if e.kind == "symlink":
             _check_link_target(label, e)
             links.add(e.name)
-        elif e.kind == "hardlink":
-            if kinds.get(e.link) != "file":
-                raise _refuse(
-                    label, e.name, f"is a hard link to {e.link!r}, which is not a file earlier in the archive"
-                )
+        elif e.kind == "hardlink" and kinds.get(e.link) != "file":
+            raise _refuse(label, e.name, f"is a hard link to {e.link!r}, which is not a file earlier in the archive")
         total += e.size
         if total > max_unpacked:
             raise ArchiveError(f"{label} is refused: it unpacks to more than {max_unpacked / (1 << 30):.0f} GB")
@@ -255,7 +253,7 @@ def _write_all(entries: list[_Entry], dest: Path, label: str) -> None:
             raise _refuse(label, e.name, f"is a link to {e.link!r}, which leads outside the install directory")
 
 
-def _write_file(src: BinaryIO | None, target: Path, mode: int) -> None:
+def _write_file(src: IO[bytes] | None, target: Path, mode: int) -> None:
     if src is None:
         raise ArchiveError(f"cannot read {target.name} from the archive")
     # Keep execute bits, drop setuid/setgid/sticky and write for others.

@@ -180,25 +180,25 @@ async def download(
             h = hashlib.sha256()
             if on_progress:
                 on_progress(0, total)
-            with open(part, "wb") as f:
-                try:
-                    async for chunk in resp.content.iter_chunked(CHUNK):
-                        if overruns(done, len(chunk), total):
-                            raise ProvisionError(
-                                f"the download of {label} sent more than the {total} bytes it promised"
-                            )
-                        f.write(chunk)
-                        h.update(chunk)
-                        done += len(chunk)
-                        if on_progress:
-                            on_progress(done, total)
-                except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-                    # The server was reached: a retry later, not a build from source.
-                    raise ProvisionError(
-                        f"the download of {label} was cut short after "
-                        f"{done} bytes ({e or e.__class__.__name__}); it is tried "
-                        "again later"
-                    ) from None
+            f = await asyncio.to_thread(open, part, "wb")
+            try:
+                async for chunk in resp.content.iter_chunked(CHUNK):
+                    if overruns(done, len(chunk), total):
+                        raise ProvisionError(f"the download of {label} sent more than the {total} bytes it promised")
+                    await asyncio.to_thread(f.write, chunk)
+                    h.update(chunk)
+                    done += len(chunk)
+                    if on_progress:
+                        on_progress(done, total)
+            except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                # The server was reached: a retry later, not a build from source.
+                raise ProvisionError(
+                    f"the download of {label} was cut short after "
+                    f"{done} bytes ({e or e.__class__.__name__}); it is tried "
+                    "again later"
+                ) from None
+            finally:
+                await asyncio.to_thread(f.close)
             if total is not None and done != total:
                 raise ProvisionError(f"the download of {label} ended after {done} of {total} bytes")
         got = h.hexdigest()

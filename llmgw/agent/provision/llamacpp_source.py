@@ -160,12 +160,13 @@ def download_sdist(dest: Path) -> Path:
     python = sys.executable
     if getattr(sys, "frozen", False):
         # In the one-file llmgw, sys.executable is llmgw itself, which has no pip.
-        python = shutil.which("python3") or shutil.which("python")
-        if python is None:
+        found = shutil.which("python3") or shutil.which("python")
+        if found is None:
             raise ProvisionError(
                 f"downloading llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} needs pip, and this "
                 "llmgw binary has none: install python3 with pip, or pass --sdist FILE"
             )
+        python = found
     cmd = [
         python,
         "-m",
@@ -226,8 +227,10 @@ def safe_extract(sdist: Path, dest: Path, select: Callable[[str], bool] | None =
         members = [m for m in tf.getmembers() if select is None or select(m.name)]
         for m in members:
             _check_member(dest, m)
-        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tf.extractall(dest, members=members, **kw)
+        if hasattr(tarfile, "data_filter"):
+            tf.extractall(dest, members=members, filter="data")
+        else:  # a Python from before extraction filters (3.11.4)
+            tf.extractall(dest, members=members)
     return [m.name for m in members]
 
 

@@ -29,7 +29,7 @@ from .os_packages import PackageInstaller
 from .python_engines import ENGINES as PYTHON_ENGINES
 from .python_engines import PythonEngineInstaller
 from .runner import Runner, run_command
-from .status import NotHere, OnStatus, ProvisionError, ProvisionStatus, Reporter, Unsupported
+from .status import InstallRecord, NotHere, OnStatus, ProvisionError, Reporter, Unsupported
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +81,18 @@ class Installer:
             self.root, host, run=run, packages=self.packages, session_factory=session_factory
         )
         self._locks: dict[str, asyncio.Lock] = {}
-        self._last: dict[str, ProvisionStatus] = {}
+        self._last: dict[str, InstallRecord] = {}
 
     @staticmethod
     def installable() -> list[str]:
         return list(INSTALLABLE)
 
     @property
-    def statuses(self) -> Mapping[str, ProvisionStatus]:
+    def statuses(self) -> Mapping[str, InstallRecord]:
         """The latest status of every engine asked for, by engine name."""
         return dict(self._last)
 
-    def _emit(self, st: ProvisionStatus) -> None:
+    def _emit(self, st: InstallRecord) -> None:
         self._last[st.engine] = st
         if self.on_status is not None:
             try:
@@ -100,7 +100,7 @@ class Installer:
             except Exception:  # a listener's bug must not fail an install
                 log.exception("provision status listener failed")
 
-    async def converge(self, wants: Sequence[Want]) -> list[ProvisionStatus]:
+    async def converge(self, wants: Sequence[Want]) -> list[InstallRecord]:
         """Bring every wanted engine to ready or say why not; statuses in ``wants`` order."""
         seen: set[str] = set()
         unique = []
@@ -110,19 +110,19 @@ class Installer:
                 unique.append(w)
         return list(await asyncio.gather(*(self.ensure(w) for w in unique)))
 
-    async def ensure(self, want: Want) -> ProvisionStatus:
+    async def ensure(self, want: Want) -> InstallRecord:
         lock = self._locks.setdefault(want.engine, asyncio.Lock())
         async with lock:
             return await self._ensure(want)
 
-    async def _ensure(self, want: Want) -> ProvisionStatus:
+    async def _ensure(self, want: Want) -> InstallRecord:
         previous = self._last.get(want.engine)
         if previous is not None and previous.version == want.version:
             # Start from what the listener last heard, so a recheck that
             # finds everything in order sends nothing at all.
             start = replace(previous, bytes_done=None, bytes_total=None)
         else:
-            start = ProvisionStatus(
+            start = InstallRecord(
                 want.engine, want.version, ProvisionState.INSTALLING, f"checking {want.engine} {want.version}"
             )
         reporter = Reporter(start, self._emit, already_sent=previous)
@@ -200,7 +200,7 @@ class ConvergeLoop:
         self._wants = list(wants)
         self._changed.set()
 
-    def next_delay(self, statuses: Sequence[ProvisionStatus]) -> float:
+    def next_delay(self, statuses: Sequence[InstallRecord]) -> float:
         if any(s.state == ProvisionState.FAILED for s in statuses):
             delay, self._retry = self._retry, min(self._retry * 2, self.retry_max)
             return delay

@@ -15,7 +15,10 @@ from llmgw.protocol import ProvisionState
 
 
 @dataclass(frozen=True)
-class ProvisionStatus:
+class InstallRecord:
+    """An engine's installation as this node records it: what ``to_wire`` sends as a
+    ``llmgw.protocol.ProvisionStatus``, plus the binary's path, which stays here."""
+
     engine: str
     version: str
     state: ProvisionState
@@ -45,7 +48,7 @@ class ProvisionStatus:
         return d
 
 
-OnStatus = Callable[[ProvisionStatus], None]
+OnStatus = Callable[[InstallRecord], None]
 
 
 class ProvisionError(LlmgwError, RuntimeError):
@@ -74,12 +77,12 @@ class Reporter:
 
     def __init__(
         self,
-        status: ProvisionStatus,
+        status: InstallRecord,
         on_status: OnStatus | None,
         *,
         min_interval: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
-        already_sent: ProvisionStatus | None = None,
+        already_sent: InstallRecord | None = None,
     ) -> None:
         # already_sent: what the listener last heard for this engine, so a
         # recheck that changes nothing says nothing.
@@ -87,10 +90,10 @@ class Reporter:
         self._on_status = on_status
         self._min_interval = min_interval
         self._clock = clock
-        self._last_sent: ProvisionStatus | None = already_sent
+        self._last_sent: InstallRecord | None = already_sent
         self._last_at = float("-inf")
 
-    def update(self, **changes) -> ProvisionStatus:
+    def update(self, **changes) -> InstallRecord:
         """Change fields and report; progress fields are cleared unless given."""
         changes.setdefault("bytes_done", None)
         changes.setdefault("bytes_total", None)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from llmgw.files import write_atomic
 from llmgw.paths import PathRefused, relative_path
 
-from .llamacpp_source import sha256_file  # noqa: F401 - the installers import it from here with the rest
+from .llamacpp_source import sha256_file as sha256_file  # re-exported: the installers import it from here with the rest
 from .runner import Runner, last_lines
 from .status import ProvisionError
 

@@ -475,7 +475,7 @@ class AdminAPI:
             return status
         try:
             entry = entry_from_version(
-                status.model_dump(mode="json", exclude_unset=True),
+                status,
                 listing.base or "",
                 name=req.name,
                 gpu_class=req.gpu_class,

@@ -564,9 +564,9 @@ class AgentService:
             value = getattr(hb, name)
             if value is not None:
                 setattr(node, name, value)
-        for st in hb.provision or ():
+        for ps in hb.provision or ():
             # Merged by engine: the agent sends one engine's status when only it changed.
-            node.provision[st.engine] = st
+            node.provision[ps.engine] = ps
         if hb.shards is not None:
             listed = {s.shard_id for s in hb.shards}
             for sid in [s for s in node.shards if s not in listed]:

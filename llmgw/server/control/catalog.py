@@ -242,7 +242,9 @@ class Catalog:
                     f"{name} has no profiles: its endpoints run outside llmgw, so there is nothing to scale"
                 )
             data = entry.model.model_dump(mode="json", exclude_none=True)
-            scaling: dict[str, Any] = {"min": min, "idle_timeout": entry.model.scaling.idle_timeout}
+            now = entry.model.scaling
+            assert now is not None  # ModelConfig fills in the scaling of a model with profiles
+            scaling: dict[str, Any] = {"min": min, "idle_timeout": now.idle_timeout}
             if max is not None:
                 scaling["max"] = max
             data["scaling"] = scaling

@@ -28,9 +28,13 @@ STALE_AFTER = 60.0
 
 
 class ReplicaLike(Protocol):
-    model: str
-    state: ReplicaState
-    node_ids: list[str]
+    # Read-only: the reconciler's Replica computes state and node_ids.
+    @property
+    def model(self) -> str: ...
+    @property
+    def state(self) -> ReplicaState: ...
+    @property
+    def node_ids(self) -> list[str]: ...
 
 
 Replicas = Callable[[], Iterable[ReplicaLike]]

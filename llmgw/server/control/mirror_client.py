@@ -18,6 +18,7 @@ from llmgw.config.server import MirrorConfig
 from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError, read_secret_file
 from llmgw.pki import PKIError, client_context
+from llmgw.protocol.mirror_api import MirrorVersion
 
 GiB = 1 << 30
 # The estimate the mirror's serve form offered: the weights, half again for the
@@ -44,7 +45,7 @@ class MirrorClient:
         self.config = config
         self.api = config.api.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl: ssl.SSLContext | bool = True  # True: verify against the system's CAs
         self._headers: dict[str, str] = {}
         if config.tls is not None:
             try:
@@ -61,13 +62,15 @@ class MirrorClient:
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         url = self.api + path
         try:
-            async with aiohttp.ClientSession(timeout=self._timeout) as http:
-                async with http.request(method, url, json=body, ssl=self._ssl, headers=self._headers) as resp:
-                    text = await resp.text()
-                    try:
-                        data = await resp.json(content_type=None) if text else {}
-                    except ValueError:
-                        data = None
+            async with (
+                aiohttp.ClientSession(timeout=self._timeout) as http,
+                http.request(method, url, json=body, ssl=self._ssl, headers=self._headers) as resp,
+            ):
+                text = await resp.text()
+                try:
+                    data = await resp.json(content_type=None) if text else {}
+                except ValueError:
+                    data = None
         except aiohttp.ClientConnectorCertificateError as exc:
             raise MirrorUnavailable(
                 f"the mirror at {self.api} presented a certificate that does not verify "
@@ -108,7 +111,7 @@ class MirrorClient:
 
 
 def entry_from_version(
-    version: dict,
+    version: MirrorVersion,
     base: str,
     *,
     name: str | None = None,
@@ -120,16 +123,17 @@ def entry_from_version(
     """A catalog entry (as a model file would hold it) for a present mirror version:
     the engine from the file type, the source, and a memory estimate. Raises
     ValueError, in words, when the version cannot be served as it is."""
-    model, ver = version.get("model"), version.get("version")
-    if version.get("state") != "present":
-        state = version.get("state") or "unknown"
-        why = f": {version['reason']}" if version.get("reason") else ""
+    model, ver = version.model, version.version
+    if version.state != "present":
+        state = version.state or "unknown"
+        why = f": {version.reason}" if version.reason else ""
         raise ValueError(f"{model}/{ver} is {state}{why}; only a version that is present can be served")
-    files = [f for f in version.get("files") or () if f.get("state", "present") == "present"]
-    weights = [f for f in files if str(f.get("name", "")).lower().endswith(_WEIGHT_SUFFIXES)]
+    # A file that does not say its state is present; one that says null is not.
+    files = [f for f in version.files or () if (f.state if "state" in f.model_fields_set else "present") == "present"]
+    weights = [f for f in files if f.name.lower().endswith(_WEIGHT_SUFFIXES)]
     if not weights:
         raise ValueError(f"{model}/{ver} holds no model weights (no .gguf, .safetensors or .bin file)")
-    ggufs = [f for f in weights if f["name"].lower().endswith(".gguf")]
+    ggufs = [f for f in weights if f.name.lower().endswith(".gguf")]
     if engine is None:
         engine = "llamacpp" if ggufs else "vllm"
     if engine != "llamacpp" and gpu_class is None:
@@ -139,8 +143,8 @@ def entry_from_version(
         )
     root = f"{base.rstrip('/')}/{quote(model, safe='')}/{quote(ver, safe='')}/"
     # One file: its own URL; several (a shard set, or weights with their config): the version.
-    source = root + quote(files[0]["name"], safe="") if len(files) == 1 else root
-    size = sum(int(f.get("bytes") or 0) for f in weights)
+    source = root + quote(files[0].name, safe="") if len(files) == 1 else root
+    size = sum(f.bytes or 0 for f in weights)
     profile: dict[str, Any] = {"engine": engine}
     if gpu_class:
         profile["gpu_class"] = gpu_class

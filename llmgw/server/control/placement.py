@@ -332,7 +332,7 @@ class Refusal:
 def _n(x: float) -> str:
     """A size as a person writes it: 8, 7.5, 120."""
     if x >= 10 or abs(x - round(x)) < 0.05:
-        return str(int(round(x)))
+        return str(round(x))
     return f"{x:.1f}"
 
 
@@ -519,7 +519,7 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | R
         return _refuse(r, nodes)
     group, members = formed
     chosen = [(v.node_id, _choose_gpus(v, r, group.adapters(v))) for v in members]
-    words = "; ".join(f"{nid}: {_gpu_words(v, g)}" for (nid, g), v in zip(chosen, members))
+    words = "; ".join(f"{nid}: {_gpu_words(v, g)}" for (nid, g), v in zip(chosen, members, strict=True))
     return Placement(
         nodes=chosen,
         explanation=f"{r.model} on {len(chosen)} nodes in {group}: {words}",

@@ -7,14 +7,15 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from llmgw.errors import LlmgwError
+from llmgw.server.gateway.principal import ANONYMOUS, DEFAULT_BAND, Pool, Principal  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:
+    from llmgw.store.records import LimitRecord
 
 log = logging.getLogger("llmgw.gateway.auth")
-
-
-from llmgw.server.gateway.principal import ANONYMOUS, DEFAULT_BAND, Pool, Principal  # noqa: F401  (re-exported)
 
 # The levels of a key's chain, in the order its pools are listed; "owner" levels exist
 # only when the key has an owner (a person).
@@ -30,7 +31,7 @@ class KeySource(Protocol):
     # without it gives principals with no tree, only the cluster defaults.
 
 
-def _chain(key, tree) -> list[tuple[str, object]]:
+def _chain(key, tree) -> list[tuple[str, LimitRecord | None]]:
     """(pool key, limits row or None) for every level of the key's chain."""
     owner = getattr(key, "user_id", None)
     proj = tree.projects.get(getattr(key, "project_id", None)) if tree is not None else None

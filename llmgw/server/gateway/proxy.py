@@ -328,35 +328,38 @@ class Gateway:
         call.raw = raw
         call.t0 = t0
         served = call.served
+        # Read once. A reservation implies the accountant and a ticket the admission; the
+        # `is not None` tests on them below only tell the type checker so (an identity compare each).
+        accountant, admission = self.accountant, self.admission
         res: Reservation | None = None
-        if self.accountant is not None and (principal.pools or principal.models is not None):
+        if accountant is not None and (principal.pools or principal.models is not None):
             try:
-                res = call.res = self.accountant.check(principal, served.name, *_estimate(raw, call.out_limit, served))
+                res = call.res = accountant.check(principal, served.name, *_estimate(raw, call.out_limit, served))
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
                 return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None)
         ticket: Ticket | None = None
         try:
-            if self.admission is not None:
+            if admission is not None:
                 # A client may yield (a batch job asking for low); the key's band is the ceiling.
                 band = effective_band(principal.band, request.headers.get(BAND_HEADER))
-                ticket = self.admission.try_admit(served.name, band, principal.tenant)
+                ticket = admission.try_admit(served.name, band, principal.tenant)
                 if ticket is None:
                     try:
-                        ticket = await self.admission.wait(served.name, band, principal.tenant)
+                        ticket = await admission.wait(served.name, band, principal.tenant)
                     except AdmissionRejected as exc:
                         self.metrics.count_request(served.name, route.name, exc.status)
                         return error_response(exc.status, exc.message, exc.code, headers=exc.headers())
             resp = await self._forward(request, call)
-            if res is not None and not resp.prepared:
-                resp.headers.update(self.accountant.headers(principal))
+            if res is not None and accountant is not None and not resp.prepared:
+                resp.headers.update(accountant.headers(principal))
             return resp
         finally:
-            if ticket is not None:
-                self.admission.release(ticket)
-            if res is not None and not res.done:
+            if ticket is not None and admission is not None:
+                admission.release(ticket)
+            if res is not None and accountant is not None and not res.done:
                 # It never reached an engine: the request and its tokens are given back.
-                self.accountant.cancel(res)
+                accountant.cancel(res)
 
     def _too_large(self, route: Route) -> web.Response:
         return self._refuse(
@@ -666,7 +669,8 @@ class Gateway:
             ep.record_success()
         except _StreamCut:
             log.warning("stream from %s (%s) broke off after the first byte", ep.url, served.name)
-            request.transport and request.transport.close()
+            if request.transport is not None:
+                request.transport.close()
         except asyncio.CancelledError as exc:
             # The client left and aiohttp cancelled the handler: record what passed (below, without
             # awaiting anything), then let the cancellation go on.
