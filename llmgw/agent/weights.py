@@ -37,6 +37,7 @@ import aiohttp
 import orjson
 
 from llmgw import download
+from llmgw.config.agent import DEFAULT_WEIGHTS_CACHE
 from llmgw.download import PART_SUFFIX, Step
 from llmgw.errors import LlmgwError
 from llmgw.files import replace_durably, write_atomic
@@ -44,7 +45,7 @@ from llmgw.paths import segment_problem
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROOT = Path("/var/lib/llmgw-weights")
+DEFAULT_ROOT = Path(DEFAULT_WEIGHTS_CACHE)
 
 Progress = Callable[[int, "int | None"], None]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from llmgw import __version__
-from llmgw.cli import agent, ctl, keys, mirror, node, org, server, up, users
+from llmgw.cli import agent, ctl, doctor, keys, mirror, node, org, server, up, users
 
 app = typer.Typer(
     name="llmgw",
@@ -41,6 +41,7 @@ app.add_typer(ctl.app, name="ctl")
 app.add_typer(node.app, name="node")
 app.add_typer(mirror.app, name="mirror")
 app.command("up", help=up.up.__doc__)(up.up)
+app.command("doctor", help=doctor.doctor.__doc__)(doctor.doctor)
 
 
 def main() -> None:

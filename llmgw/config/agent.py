@@ -17,6 +17,9 @@ from llmgw.config.loading import read_yaml, validate
 from llmgw.config.types import Duration
 
 DEFAULT_AGENT_CONFIG_PATH = "/etc/llmgw/agent.yaml"
+# Where a node keeps fetched weights and installed engines unless agent.yaml says otherwise.
+DEFAULT_WEIGHTS_CACHE = "/var/lib/llmgw-weights"
+DEFAULT_ENGINES_DIR = "/opt/llmgw/engines"
 
 
 class _Block(BaseModel):
@@ -124,8 +127,8 @@ class AgentConfig(_Block):
     model_dirs: list[str] = Field(
         default_factory=list, description="Where weights may already be; the weights cache is always added."
     )
-    weights_cache: str = Field(default="/var/lib/llmgw-weights", description="Where fetched weights land.")
-    engines_dir: str = Field(default="/opt/llmgw/engines", description="Where engines are installed.")
+    weights_cache: str = Field(default=DEFAULT_WEIGHTS_CACHE, description="Where fetched weights land.")
+    engines_dir: str = Field(default=DEFAULT_ENGINES_DIR, description="Where engines are installed.")
     fabrics: list[FabricDecl] = Field(default_factory=list, description="Fabrics this node's adapters belong to.")
     heartbeat_interval: Duration = Field(default=5.0, description="How often the node reports.")
     reconnect_base: Duration = Field(default=1.0, description="First wait before reconnecting (jittered).")

@@ -32,6 +32,8 @@ LEAF_DAYS = 825  # the longest a browser-trusted leaf may live; kept for habit's
 
 # A certificate valid only from "now" fails on a machine whose clock is a little behind.
 _BACKDATE = dt.timedelta(minutes=5)
+# What a clock may lag before a new certificate is refused as not yet valid (doctor's clock check).
+CERT_BACKDATE = _BACKDATE
 _LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", re.IGNORECASE)
 
 

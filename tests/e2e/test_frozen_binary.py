@@ -10,6 +10,7 @@ commands (argon2) and the mirror's GGUF check (its architecture list is a data f
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -123,6 +124,12 @@ def test_certificate_authority_and_agent_inventory(frozen_llmgw: Path, tmp_path:
         assert r.returncode == 0, f"llmgw {' '.join(args)} exited {r.returncode}:\n{r.stdout}{r.stderr}"
     assert (pki / "ca.pem").exists() and (pki / "node-a.pem").exists()
     assert '"memory"' in r.stdout
+
+    # node add runs the pushed binary's doctor on each node and reads its JSON back.
+    r = run("doctor", "--json")
+    assert r.returncode == 0, f"llmgw doctor --json exited {r.returncode}:\n{r.stdout}{r.stderr}"
+    report = json.loads(r.stdout)
+    assert report["findings"] and report["facts"]["inventory"]["memory"]
 
 
 def test_tenancy_and_the_mirrors_architecture_check(frozen_llmgw: Path, tmp_path: Path) -> None:

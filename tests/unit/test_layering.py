@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "mirror": set(LOWER),
     "server": LOWER | {"store"},
     "up": LOWER | {"store", "server", "agent", "mirror"},
-    "cli": LOWER | {"store", "server", "agent", "mirror", "up"},
+    # Runs on a node and reuses discovery, the engines' NCCL env and the installer's records.
+    "doctor": LOWER | {"agent"},
+    "cli": LOWER | {"store", "server", "agent", "mirror", "up", "doctor"},
     "testing": LOWER | {"store", "server", "agent", "mirror", "up"},
 }
 

@@ -58,6 +58,8 @@ REPO = "ggml-org/llama.cpp"
 DEFAULT_BASE_URL = f"https://github.com/{REPO}/releases/download"
 GITHUB_API_RELEASE = f"https://api.github.com/repos/{REPO}/releases/tags/{{tag}}"
 BINARY = "llama-server"
+# The glibc the release builds link against (built on Ubuntu 22.04); doctor checks the node against it.
+RELEASE_MIN_GLIBC = (2, 34)
 # The CUDA build taken on an NVIDIA node. Its release carries a matching
 # cudart archive, so the node needs the driver and no toolkit.
 CUDA_VERSION = "12.8"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
+from llmgw.config.agent import DEFAULT_ENGINES_DIR
 from llmgw.protocol import ProvisionState
 
 from .fetch import make_session
@@ -33,7 +34,7 @@ from .status import InstallRecord, NotHere, OnStatus, ProvisionError, Reporter, 
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROOT = Path("/opt/llmgw/engines")
+DEFAULT_ROOT = Path(DEFAULT_ENGINES_DIR)
 # What the agent tells the control plane it can install.
 INSTALLABLE = ("llamacpp", "sglang", "vllm")
 RECHECK_INTERVAL = 600.0
