@@ -32,7 +32,7 @@ def _root(
     """Self-hosted LLM gateway: one OpenAI-compatible URL, with API keys, in front of your inference engines."""
 
 
-app.command("server", help=server.server.__doc__)(server.server)
+app.add_typer(server.app, name="server")
 app.add_typer(keys.app, name="keys")
 app.add_typer(users.app, name="users")
 app.add_typer(org.app, name="org")

@@ -1,20 +1,32 @@
-"""`llmgw server`."""
+"""`llmgw server` (runs the gateway) and `llmgw server init` (makes this machine a control plane)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from functools import partial
+from pathlib import Path
 
 import typer
 
 from llmgw.cli.common import fail, load_config_or_fail
 from llmgw.config.server import DEFAULT_CONFIG_PATH
 
+app = typer.Typer(
+    help="Run the gateway: the OpenAI-compatible API on `listen`, the admin API and metrics on `admin_listen`, "
+    "metrics on `metrics_listen`. `llmgw server init` makes this machine a control plane.",
+)
 
+
+@app.callback(invoke_without_command=True)
 def server(
+    ctx: typer.Context,
     config: str = typer.Option(DEFAULT_CONFIG_PATH, "--config", "-c", help="Path of server.yaml."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Run the gateway: the OpenAI-compatible API on `listen`, the admin API and metrics on `admin_listen`, metrics on `metrics_listen`."""
+    if ctx.invoked_subcommand is not None:
+        return
     from llmgw.runtime import run_until_stopped, setup_logging
     from llmgw.server.app import StartError, serve_until_stopped
 
@@ -24,3 +36,69 @@ def server(
         run_until_stopped(partial(serve_until_stopped, cfg))
     except StartError as exc:
         fail(str(exc))
+
+
+NOT_ROOT = (
+    "server init must run as root (`sudo llmgw server init --admin you@example.com`): it creates the system "
+    "user llmgw and writes /etc/llmgw, /var/lib/llmgw and a systemd unit. To try it without root, give "
+    "--root DIR, a directory standing for / (nothing outside it is touched, no user is created)"
+)
+NO_FORM = (
+    "the form `server init` shows in a terminal is not built yet: give the administrator's email with "
+    "--admin EMAIL, and --plain (`sudo llmgw server init --admin you@example.com --plain`)"
+)
+
+
+@app.command("init")
+def init(
+    admin: str = typer.Option(
+        None, "--admin", help="The administrator's email; their password is generated and printed once."
+    ),
+    host: list[str] | None = typer.Option(
+        None,
+        "--host",
+        help="Another name or address nodes reach this machine by (DNS alias, NAT, floating IP); repeatable.",
+    ),
+    mirror: str = typer.Option(
+        None, "--mirror", help="Use the mirror whose management API is at URL, e.g. http://models:8082."
+    ),
+    no_mirror: bool = typer.Option(False, "--no-mirror", help="Run no mirror beside the control plane."),
+    no_node: bool = typer.Option(False, "--no-node", help="Do not make this machine a node."),
+    no_model: bool = typer.Option(False, "--no-model", help="Do not fetch and serve the starter model."),
+    plain: bool = typer.Option(False, "--plain", help="One line per step, even in a terminal."),
+    root: Path = typer.Option(None, "--root", hidden=True, help="A directory standing for / (tests, trials)."),
+) -> None:
+    """Make this machine a control plane: user, authority, certificate, server.yaml, store and administrator,
+    admin token, unit. Every step looks before it acts: a rerun finishes an interrupted one and changes
+    nothing on a finished one."""
+    from llmgw.init import InitError
+    from llmgw.init.machine import Machine, machine_addresses, own_binary
+    from llmgw.init.run import Options, server_init
+
+    if admin is None:
+        if sys.stdin.isatty() and sys.stdout.isatty() and not plain:
+            fail(NO_FORM)
+        fail("--admin EMAIL is required without a terminal: the administrator's account is made for it")
+    is_root = os.geteuid() == 0
+    if root is None and not is_root:
+        fail(NOT_ROOT)
+    real = root is None or root.resolve() == Path("/")
+    m = Machine(
+        root=Path("/") if root is None else root.resolve(),
+        addresses=machine_addresses(),
+        binary=own_binary(),
+        give_files=real and is_root,
+    )
+    opts = Options(
+        admin=admin,
+        hosts=list(host or []),
+        mirror_url=mirror,
+        no_mirror=no_mirror,
+        no_node=no_node,
+        no_model=no_model,
+        manage_user=real and is_root,
+    )
+    try:
+        server_init(m, opts, emit=lambda line: typer.echo(line))
+    except InitError as exc:
+        fail(f"{exc}\nEvery step before this one is done; run init again once it is fixed.")

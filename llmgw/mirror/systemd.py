@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw import units
 from llmgw.files import write_atomic
 from llmgw.mirror.api import default_token_file, ensure_token
 from llmgw.mirror.layout import MirrorError
@@ -67,12 +68,6 @@ def control_plane_allow(address: str, resolve: Resolver = resolve_host) -> list[
     return found
 
 
-def _quote(arg: str) -> str:
-    if arg and not any(c in arg for c in " \t\"'\\$%;"):
-        return arg
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$") + '"'
-
-
 def unit_text(
     *,
     dir: str,
@@ -102,27 +97,21 @@ def unit_text(
     for a in allow:
         args += ["--api-allow", a]
     pairs = [args[:3]] + [args[i : i + 2] for i in range(3, len(args), 2)]
-    exec_start = " \\\n  ".join(" ".join(_quote(a) for a in p) for p in pairs)
-    return f"""[Unit]
-Description=llmgw model mirror
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-ExecStart={exec_start}
-User={user}
-Group={user}
-Restart=on-failure
-RestartSec=2s
-NoNewPrivileges=true
-ProtectSystem=strict
-ProtectHome=true
-PrivateTmp=true
-ReadWritePaths={_quote(dir)}
-
-[Install]
-WantedBy=multi-user.target
-"""
+    return units.unit_text(
+        description="llmgw model mirror",
+        exec_start=pairs,
+        service=[
+            f"User={user}",
+            f"Group={user}",
+            "Restart=on-failure",
+            "RestartSec=2s",
+            "NoNewPrivileges=true",
+            "ProtectSystem=strict",
+            "ProtectHome=true",
+            "PrivateTmp=true",
+            f"ReadWritePaths={units.quote(dir)}",
+        ],
+    )
 
 
 @dataclass

@@ -7,6 +7,7 @@ other (and they live in different tables: an API key never opens the admin API).
 
 from __future__ import annotations
 
+import os
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -16,7 +17,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from llmgw.files import new_token, token_digest
+from llmgw.files import new_token, token_digest, write_secret_file
 
 from .errors import Ambiguous, NotFound, StoreError
 from .keyrows import check_key_text
@@ -141,3 +142,21 @@ class AdminTokensMixin:
             now = utcnow()
             await conn.execute(update(admin_tokens).where(admin_tokens.c.id == tok.id).values(revoked_at=now))
         return AdminToken(tok.id, tok.name, tok.prefix, tok.created_at, now, tok.last_used_at)
+
+
+async def ensure_token_file(store: AdminTokensMixin, path: str | os.PathLike[str], name: str) -> bool:
+    """The admin token file `llmgw ctl` reads on the control plane: made (a new token, mode 0600)
+    when missing, else left alone, even if its token was revoked (that was someone's decision).
+
+    Returns whether it was made. Shared by the server's first start and `llmgw server init`.
+    OSError from writing propagates, after the token just made is revoked.
+    """
+    if os.path.exists(path):
+        return False
+    secret, rec = await store.create_admin_token(name)
+    try:
+        write_secret_file(path, secret)
+    except OSError:
+        await store.revoke_admin_token(rec.id)
+        raise
+    return True

@@ -1,5 +1,6 @@
 import asyncio
 import secrets
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,29 @@ def engines(llama_server_bin, tiny_model, tmp_path):
     yield start
     for e in started:
         e.kill()
+
+
+@pytest.fixture(scope="session")
+def machine_root() -> Path:
+    """The Debian root the onboarding tests boot machines from (tests/e2e/machines.py), built once."""
+    import machines
+
+    reason = machines.unavailable()
+    if reason is not None:
+        require("machines booted with systemd-nspawn", reason)
+    try:
+        return machines.build_root()
+    except subprocess.CalledProcessError as exc:
+        require("the test machine root", f"scripts/build-test-machine-root failed: {exc.stderr[-2000:]}")
+
+
+@pytest.fixture
+def machines(machine_root, tmp_path):
+    """Boot machines with ``machines.boot("a", "b")``; all are powered off, and the bridge removed, after."""
+    from machines import Machines
+
+    with Machines(machine_root, tmp_path / "machines") as m:
+        yield m
 
 
 @pytest.fixture

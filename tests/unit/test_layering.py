@@ -32,7 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "up": LOWER | {"store", "server", "agent", "mirror"},
     # Runs on a node and reuses discovery, the engines' NCCL env and the installer's records.
     "doctor": LOWER | {"agent"},
-    "cli": LOWER | {"store", "server", "agent", "mirror", "up", "doctor"},
+    # `server init`: the steps that make a machine a control plane.
+    "init": LOWER | {"store"},
+    "cli": LOWER | {"store", "server", "agent", "mirror", "up", "doctor", "init"},
     "testing": LOWER | {"store", "server", "agent", "mirror", "up"},
 }
 

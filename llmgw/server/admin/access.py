@@ -15,9 +15,10 @@ from aiohttp import web
 
 from llmgw.config.server import ADMIN_TOKEN_FILE
 from llmgw.errors import LlmgwError
-from llmgw.files import SecretFileError, read_secret_file, write_secret_file
+from llmgw.files import SecretFileError, read_secret_file
 from llmgw.pki import peer_node_id
 from llmgw.server.gateway.errors import error_response
+from llmgw.store.admin_tokens import ensure_token_file
 from llmgw.webguard import Guard, bearer_token, guard_for, machine_names
 
 if TYPE_CHECKING:
@@ -58,20 +59,13 @@ async def ensure_first_token(store: Store, config: ServerConfig) -> Path:
         except SecretFileError as exc:
             log.warning("admin token file: %s", exc)
         return path
-    secret, rec = await store.create_admin_token(f"first token ({path})")
     try:
-        write_secret_file(path, secret)
+        await ensure_token_file(store, path, f"first token ({path})")
     except OSError as exc:
-        await store.revoke_admin_token(rec.id)
         raise AccessError(
             f"{path}: cannot be written ({exc.strerror}); make data_dir writable by the user llmgw runs as"
         ) from None
-    log.info(
-        "made the first admin token (%s, %s) in %s; llmgw ctl on this machine reads it from there",
-        rec.id,
-        rec.prefix,
-        path,
-    )
+    log.info("made the first admin token in %s; llmgw ctl on this machine reads it from there", path)
     return path
 
 
