@@ -1,10 +1,16 @@
 import asyncio
+import importlib.util
+import os
 import secrets
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from harness import LlamaServer, require
+from harness import BUILD_TIMEOUT, REPO, LlamaServer, require
+
+SPEC = REPO / "build" / "pyinstaller.spec"
 
 # Seconds a test marked slow may take before pytest-timeout stops it with a stack.
 SLOW_TIMEOUT = 900
@@ -43,6 +49,45 @@ def engines(llama_server_bin, tiny_model, tmp_path):
     yield start
     for e in started:
         e.kill()
+
+
+@pytest.fixture(scope="session")
+def frozen_llmgw(tmp_path_factory) -> Path:
+    """The one-file llmgw built from build/pyinstaller.spec, once a session (a few minutes). Whichever test
+    asks first builds it in its setup, so every test using it carries BUILD_TIMEOUT's timeout marker."""
+    if importlib.util.find_spec("PyInstaller") is None:
+        reason = "PyInstaller is not installed (pip install -e '.[test]')"
+        if os.environ.get("LLMGW_REQUIRE_E2E") == "1":
+            pytest.fail(f"PyInstaller is required for this run: {reason}")
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("frozen")
+    dist, work = out / "dist", out / "work"
+    cmd = [
+        sys.executable,
+        "-m",
+        "PyInstaller",
+        str(SPEC),
+        "--noconfirm",
+        "--distpath",
+        str(dist),
+        "--workpath",
+        str(work),
+    ]
+    started = time.monotonic()
+    try:
+        r = subprocess.run(
+            cmd, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=BUILD_TIMEOUT
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = ((exc.stdout or "") + (exc.stderr or ""))[-6000:]
+        pytest.fail(f"the PyInstaller build did not finish within {BUILD_TIMEOUT}s:\n{tail}")
+    took = time.monotonic() - started
+    binary = dist / "llmgw"
+    assert r.returncode == 0 and binary.is_file(), (
+        f"the PyInstaller build failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-6000:]}"
+    )
+    print(f"\nfrozen llmgw built in {took:.0f}s, {binary.stat().st_size / 2**20:.1f} MiB")
+    return binary
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,8 @@ from llmgw.testing.ports import free_port
 from llmgw.testing.waiting import until
 
 REPO = Path(__file__).resolve().parents[2]
+# Seconds the frozen-binary build (the session fixture frozen_llmgw in conftest.py) may take.
+BUILD_TIMEOUT = 15 * 60
 
 
 def require(what: str, reason: str) -> None:

@@ -9,26 +9,20 @@ commands (argon2) and the mirror's GGUF check (its architecture list is a data f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from harness import BUILD_TIMEOUT
 
 import llmgw
 from llmgw.testing.waiting import until
-
-REPO = Path(__file__).resolve().parents[2]
-SPEC = REPO / "build" / "pyinstaller.spec"
-BUILD_TIMEOUT = 15 * 60
 
 # Whichever test runs first builds the binary in its fixture setup, which pytest-timeout
 # counts: the build's own limit, and then some for the test.
@@ -44,43 +38,6 @@ def _free_port() -> int:
 def _clean_env() -> dict[str, str]:
     """The environment without anything that could point Python at the checkout."""
     return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-
-
-@pytest.fixture(scope="module")
-def frozen_llmgw(tmp_path_factory) -> Path:
-    if importlib.util.find_spec("PyInstaller") is None:
-        reason = "PyInstaller is not installed (pip install -e '.[test]')"
-        if os.environ.get("LLMGW_REQUIRE_E2E") == "1":
-            pytest.fail(f"PyInstaller is required for this run: {reason}")
-        pytest.skip(reason)
-    out = tmp_path_factory.mktemp("frozen")
-    dist, work = out / "dist", out / "work"
-    cmd = [
-        sys.executable,
-        "-m",
-        "PyInstaller",
-        str(SPEC),
-        "--noconfirm",
-        "--distpath",
-        str(dist),
-        "--workpath",
-        str(work),
-    ]
-    started = time.monotonic()
-    try:
-        r = subprocess.run(
-            cmd, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=BUILD_TIMEOUT
-        )
-    except subprocess.TimeoutExpired as exc:
-        tail = ((exc.stdout or "") + (exc.stderr or ""))[-6000:]
-        pytest.fail(f"the PyInstaller build did not finish within {BUILD_TIMEOUT}s:\n{tail}")
-    took = time.monotonic() - started
-    binary = dist / "llmgw"
-    assert r.returncode == 0 and binary.is_file(), (
-        f"the PyInstaller build failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-6000:]}"
-    )
-    print(f"\nfrozen llmgw built in {took:.0f}s, {binary.stat().st_size / 2**20:.1f} MiB")
-    return binary
 
 
 def test_the_frozen_binary_prints_the_version_of_the_source_it_was_built_from(
