@@ -17,7 +17,6 @@ import os
 import signal
 import tarfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -62,6 +61,7 @@ class StandIn:
         self.failure: str | None = None
         self.on_register: list[bytes] = []  # extra frames sent after each registration
         self.acks: list = []
+        self.heartbeats = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -99,6 +99,7 @@ class StandIn:
                     encode(Provision(engines=[EngineWant(engine="llamacpp", version=TAG, source_url=self.release_url)]))
                 )
             elif isinstance(msg, Heartbeat):
+                self.heartbeats += 1
                 for p in msg.provision or ():
                     self.provision[p.engine] = p.state.value
                     if p.state.value == "failed":
@@ -185,18 +186,20 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
 
         # Watch the engine through the agent's death and rebirth.
         failures: list[str] = []
-        watching = threading.Event()
-        watching.set()
+        answered = [0]
+        done = threading.Event()
 
         def watch() -> None:
             with httpx.Client(timeout=2) as h:
-                while watching.is_set():
+                # Probe every 20 ms until told to stop: a sampling rate, not a wait for anything.
+                while not done.wait(0.02):
                     try:
                         if h.get(f"http://127.0.0.1:{engine_port}/health").status_code != 200:
                             failures.append("not 200")
+                        else:
+                            answered[0] += 1
                     except httpx.HTTPError as exc:
                         failures.append(repr(exc))
-                    time.sleep(0.02)  # a sampling rate: the watch runs the whole restart long
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -206,8 +209,10 @@ def test_agent_installs_fetches_starts_and_adopts_after_sigkill(llama_server_bin
         registered = len(cp.registers)
         agent = Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / "agent2.log", env=env)
         until(lambda: len(cp.registers) > registered, 30, "the restarted agent to register", alive=[agent])
-        time.sleep(1.0)  # the engine keeps answering for a while under the new agent, too
-        watching.clear()
+        # The engine keeps answering under the new agent too: 25 more answers, well past its adoption.
+        seen = answered[0]
+        until(lambda: answered[0] >= seen + 25 or failures, 30, "the engine to answer under the new agent")
+        done.set()
         watcher.join()
         assert failures == [], f"the engine stopped answering while the agent restarted: {failures[:5]}"
         shards = {s.shard_id: s for s in cp.registers[-1].shards or ()}
@@ -342,7 +347,9 @@ def test_bad_requests_are_answered_with_reasons_and_the_agent_keeps_running(tmp_
         assert reason and 'unknown engine "ollama"' in reason, reason
         log = agent.text()
         assert "gpus[0]" in log and "json" in log.lower()
-        time.sleep(0.7)  # time passes to show the refusals do not end the agent or its connection
+        # The refusals end neither the agent nor its connection: it goes on heartbeating on it.
+        beats = cp.heartbeats
+        until(lambda: cp.heartbeats >= beats + 2, 30, "two more heartbeats after the refusals", alive=[agent])
         assert agent.alive() and len(cp.registers) == 1  # still the same connection
     finally:
         assert agent.stop() == 0, agent.text()[-3000:]
