@@ -174,20 +174,8 @@ def add(
     _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources)
 
 
-@app.command("fetch", hidden=True)
-def fetch(
-    ctx: typer.Context,
-    url: str = _URL,
-    model: str = _MODEL,
-    version: str = _VERSION,
-    as_name: str = _AS,
-    anyway: bool = _ANYWAY,
-    base: str = _ADD_BASE,
-    dir: str = _DIR_OPT,
-    allow_local_sources: bool = _ALLOW_LOCAL,
-) -> None:
-    """Another name for add."""
-    _add(ctx, url, model, version, as_name, anyway, base, dir, allow_local_sources)
+# Another name for add, kept for the original's scripts: the same command, not a copy.
+app.command("fetch", hidden=True, help="Another name for add.")(add)
 
 
 # ---------------------------------------------------------------- list / unused / remove
