@@ -199,6 +199,41 @@ class Gateway(Proc):
         return secret
 
 
+def start_agent(
+    tmp_path: Path, name: str, port: int, pki: Path, *, cert_node: str | None = None, supervisor: dict | None = None
+) -> Proc:
+    """`llmgw agent` as node NAME dialling 127.0.0.1:PORT with the certificate of CERT_NODE (default
+    NAME: another node's certificate makes an impostor), fast heartbeats and reconnects, files under
+    tmp_path/NAME, no GPUs."""
+    cert = cert_node or name
+    cfg = tmp_path / f"agent-{name}.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": f"127.0.0.1:{port}",
+                "node_id": name,
+                "tls": {
+                    "ca": str(pki / "ca.pem"),
+                    "cert": str(pki / f"{cert}.pem"),
+                    "key": str(pki / f"{cert}-key.pem"),
+                },
+                "heartbeat_interval": "500ms",
+                "reconnect_base": "300ms",
+                "reconnect_max": "1s",
+                "weights_cache": str(tmp_path / name / "weights"),
+                "engines_dir": str(tmp_path / name / "engines"),
+                "supervisor": {"work_dir": str(tmp_path / name / "state"), **(supervisor or {})},
+                "discovery": {"skip_gpus": True},
+            }
+        )
+    )
+    return Proc(
+        llmgw_cmd("agent", "--config", str(cfg)),
+        tmp_path / f"agent-{name}.log",
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
 def serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
     """A plain HTTP file server on a free port (release archives, model files); returns
     its base URL and the function that stops it."""

@@ -7,7 +7,7 @@ import subprocess
 import httpx
 import pytest
 import yaml
-from harness import Gateway, Proc, free_port, llmgw_cmd, wait_until
+from harness import Gateway, free_port, llmgw_cmd, start_agent, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -15,31 +15,6 @@ pytestmark = pytest.mark.e2e
 def _ctl(*args: str) -> None:
     r = subprocess.run(llmgw_cmd("ctl", "cert", *args), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-
-
-def _agent(tmp_path, name: str, cert_node: str, port: int, pki) -> Proc:
-    cfg = tmp_path / f"agent-{name}.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "server": f"127.0.0.1:{port}",
-                "node_id": name,
-                "tls": {
-                    "ca": str(pki / "ca.pem"),
-                    "cert": str(pki / f"{cert_node}.pem"),
-                    "key": str(pki / f"{cert_node}-key.pem"),
-                },
-                "heartbeat_interval": "500ms",
-                "reconnect_base": "300ms",
-                "reconnect_max": "1s",
-                "weights_cache": str(tmp_path / name / "weights"),
-                "engines_dir": str(tmp_path / name / "engines"),
-                "supervisor": {"work_dir": str(tmp_path / name / "state")},
-                "discovery": {"skip_gpus": True},
-            }
-        )
-    )
-    return Proc(llmgw_cmd("agent", "--config", str(cfg)), tmp_path / f"agent-{name}.log")
 
 
 def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_path):
@@ -63,9 +38,9 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
         control={"enabled": True, "unreachable_after": "1s", "lost_after": "2s"},
         engines={"llamacpp": None},
     ).wait_up(ready=False)
-    good = _agent(tmp_path, "node-a", "node-a", agent_port, pki)
+    good = start_agent(tmp_path, "node-a", agent_port, pki)
     # node-c presents node-b's certificate: the control plane refuses it, naming both.
-    impostor = _agent(tmp_path, "node-c", "node-b", agent_port, pki)
+    impostor = start_agent(tmp_path, "node-c", agent_port, pki, cert_node="node-b")
 
     def node_map() -> dict:
         return {n["node_id"]: n for n in httpx.get(gw.admin + "/api/v1/nodes", headers=gw.admin_auth).json()["nodes"]}

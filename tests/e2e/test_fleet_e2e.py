@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_until
+from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, start_agent, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a fleet of agents, placed, adopted and moved
 
@@ -26,35 +26,6 @@ TAG = "b9999"
 def _ctl(*args: str) -> None:
     r = subprocess.run(llmgw_cmd("ctl", "cert", *args), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-
-
-def _agent(tmp_path, name: str, port: int, pki) -> Proc:
-    cfg = tmp_path / f"agent-{name}.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "server": f"127.0.0.1:{port}",
-                "node_id": name,
-                "tls": {
-                    "ca": str(pki / "ca.pem"),
-                    "cert": str(pki / f"{name}.pem"),
-                    "key": str(pki / f"{name}-key.pem"),
-                },
-                "heartbeat_interval": "500ms",
-                "reconnect_base": "300ms",
-                "reconnect_max": "1s",
-                "weights_cache": str(tmp_path / name / "weights"),
-                "engines_dir": str(tmp_path / name / "engines"),
-                "supervisor": {"work_dir": str(tmp_path / name / "state"), "health_interval": "250ms"},
-                "discovery": {"skip_gpus": True},
-            }
-        )
-    )
-    return Proc(
-        llmgw_cmd("agent", "--config", str(cfg)),
-        tmp_path / f"agent-{name}.log",
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 class Fleet:
@@ -142,7 +113,10 @@ def test_two_agents_serve_adopt_scale_and_replace(llama_server_bin, tiny_model, 
         },
         engines={"llamacpp": TAG, "release_url": base},
     )
-    agents = {n: _agent(tmp_path, n, agent_port, pki) for n in ("node-a", "node-b")}
+    agents = {
+        n: start_agent(tmp_path, n, agent_port, pki, supervisor={"health_interval": "250ms"})
+        for n in ("node-a", "node-b")
+    }
     gw.wait_up(ready=False)
     fleet = Fleet(gw, [gw, *agents.values()])
     engine_pids: set[int] = set()
