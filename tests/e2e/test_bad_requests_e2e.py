@@ -61,8 +61,10 @@ def test_bad_requests_on_every_listener_get_the_error_shape_and_leave_no_traceba
     try:
         _refusals(gw, {"listen": gw.port, "admin_listen": gw.admin_port, **ports})
     finally:
-        assert gw.stop() == 0, gw.text()
-        engine.kill()
+        try:
+            assert gw.stop() == 0, gw.text()
+        finally:
+            engine.kill()  # also when the stop fails: no engine outlives the test
 
 
 def _refusals(gw: Gateway, ports: dict[str, int]) -> None:
