@@ -13,7 +13,6 @@ import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from llmgw.pki import (
     load_ca,
     load_cert,
     load_pair,
+    near_end,
     san_names,
     verify_issued_by,
 )
@@ -43,7 +43,6 @@ from llmgw.store.errors import StoreError
 from llmgw.units import write_unit
 
 DEFAULT = "default"  # the organization, team and project every control plane starts with
-_RENEW_BEFORE = timedelta(days=30)
 
 
 @dataclass(frozen=True)
@@ -174,16 +173,16 @@ def server_certificate(m: Machine, hosts: Sequence[str] = ()) -> Done:
             load_pair(cert, key)
             c = load_cert(cert)
             old = san_names(c)
-            near_end = c.not_valid_after_utc - datetime.now(UTC) < _RENEW_BEFORE
+            ending = near_end(c)
         except PKIError:
-            old, near_end = [], True  # a pair cut short by an interrupted run: issue it again
+            old, ending = [], True  # a pair cut short by an interrupted run: issue it again
             reason = "reissued (its key was missing or did not match)"
         missing = [n for n in want if n not in old]
-        if not missing and not near_end:
+        if not missing and not ending:
             return Done("server certificate", "kept", f"kept {cert}: it names {', '.join(old)}")
         if missing and old:
             reason = f"added names {', '.join(missing)}"
-        elif near_end and old:
+        elif ending and old:
             reason = "renewed (near its end)"
     names = list(dict.fromkeys([*old, *want]))
     issue_server(m.pki, m.etc, names)

@@ -29,6 +29,9 @@ CA_KEY = "ca-key.pem"
 DEFAULT_PKI_DIR = "/etc/llmgw/pki"
 CA_DAYS = 3650
 LEAF_DAYS = 825  # the longest a browser-trusted leaf may live; kept for habit's sake
+# A leaf closer to its end than this is issued again by whoever keeps it (server init, up):
+# a month leaves room for a run that fails and the one that fixes it.
+RENEW_BEFORE = dt.timedelta(days=30)
 
 # A certificate valid only from "now" fails on a machine whose clock is a little behind.
 _BACKDATE = dt.timedelta(minutes=5)
@@ -329,6 +332,11 @@ def issue_client(
     cert, key = _issue(ca_dir, node_id, [], ExtendedKeyUsageOID.CLIENT_AUTH, days)
     out = Path(out_dir)
     return _write_pair(out / f"{node_id}.pem", out / f"{node_id}-key.pem", cert, key)
+
+
+def near_end(cert: x509.Certificate) -> bool:
+    """Whether the certificate ends within RENEW_BEFORE and should be issued again."""
+    return cert.not_valid_after_utc - dt.datetime.now(dt.UTC) < RENEW_BEFORE
 
 
 def san_names(cert: x509.Certificate) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
@@ -21,13 +20,13 @@ from llmgw.pki import (
     load_ca,
     load_cert,
     load_pair,
+    near_end,
     san_names,
     verify_issued_by,
 )
 
 NODE_ID = "local"
 SERVER_NAMES = ("127.0.0.1", "localhost")
-_MIN_LEFT = timedelta(days=7)  # a certificate closer to its end than this is issued again
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ class Pki:
 
 
 def _fresh(cert_path: Path) -> bool:
-    return load_cert(cert_path).not_valid_after_utc - datetime.now(UTC) > _MIN_LEFT
+    return not near_end(load_cert(cert_path))
 
 
 def _leaf_ok(pki: Pki, cert: Path, key: Path, names_ok: Callable[[x509.Certificate], bool]) -> bool:
