@@ -11,8 +11,8 @@ import httpx
 import openai
 import orjson
 import pytest
-from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files
-from test_fleet_e2e import TAG, Fleet, _agent, _alive, _ctl
+from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, start_agent
+from test_fleet_e2e import TAG, Fleet, _alive, _ctl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a fleet of agents, placed and moved
 
@@ -48,7 +48,7 @@ def test_an_engine_refuses_anyone_but_the_gateway_and_keeps_its_key_when_adopted
         engines={"llamacpp": TAG, "release_url": base},
     )
     gw.wait_up(ready=False)
-    agent = _agent(tmp_path, "node-a", agent_port, pki)
+    agent = start_agent(tmp_path, "node-a", agent_port, pki, supervisor={"health_interval": "250ms"})
     fleet = Fleet(gw, [gw, agent])
     restarted: Proc | None = None
     pid = 0
@@ -102,7 +102,7 @@ def test_an_engine_refuses_anyone_but_the_gateway_and_keeps_its_key_when_adopted
         # The agent dies and comes back: it adopts the engine from its record and its probes still get in.
         agent.proc.send_signal(signal.SIGKILL)
         agent.proc.wait(10)
-        agent = _agent(tmp_path, "node-a", agent_port, pki)
+        agent = start_agent(tmp_path, "node-a", agent_port, pki, supervisor={"health_interval": "250ms"})
         fleet.procs.append(agent)
         fleet.wait(lambda: "adopted 1 running engine" in agent.text(), 30, "the agent to adopt its engine")
         # Ready only once its probe of /v1/models, which wants the key, is answered.
