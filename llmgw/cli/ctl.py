@@ -178,8 +178,24 @@ def _print_rows(headers: list[str], rows: list[tuple[list[str], list[str]]]) -> 
             typer.echo(text)
 
 
-def _engine_words(n: NodeRow) -> str:
+def _next_try(retry_at: float | None, now: float) -> str:
+    """When a failed install is tried again: in how long, and at what time here."""
+    import time
+
+    if retry_at is None:
+        return ""
+    at = time.strftime("%H:%M:%S", time.localtime(retry_at))
+    if retry_at > now:
+        return f"; next try in {_duration(retry_at - now)} ({at})"
+    # Past it and still failed: the agent has not reported since (or its clock is off).
+    return f"; next try was due at {at}"
+
+
+def _engine_words(n: NodeRow, now: float | None = None) -> str:
     """Ready engines with their versions, then the others with what is happening to them."""
+    import time
+
+    now = time.time() if now is None else now
     engines = n.engines or {}
     words = [f"{k} {v}".strip() for k, v in engines.items()]
     for engine, st in (n.provision or {}).items():
@@ -191,6 +207,8 @@ def _engine_words(n: NodeRow) -> str:
         pct = st.progress.percent if st.progress is not None else None
         if pct is not None:
             text += f" {pct:.0f}%"
+        if st.state == ProvisionState.FAILED:
+            text += _next_try(st.retry_at, now)
         words.append(text)
     return ", ".join(words) or "-"
 

@@ -17,6 +17,8 @@ def remove(
     server: ServerOpt = None,
     token_file: TokenFileOpt = None,
 ) -> None:
-    """Forget a lost node (one that has not reported for control.lost_after); a node in any other state is refused."""
+    """Forget a node gone for good: a lost one (silent for control.lost_after), or an unreachable one with
+    nothing placed on it. Anything else is refused with its state: drain it and stop its agent, or wait
+    until it is lost."""
     got = call("DELETE", connect(server, token_file), f"/api/v1/nodes/{name}", Removed)
     typer.echo(f"removed {got.removed}")

@@ -229,6 +229,9 @@ class ProvisionStatus(WireModel):
     state: ProvisionState
     detail: str | None = None  # words for a person
     progress: ByteProgress | None = None  # while downloading
+    # Failed: when the agent tries again (wall clock, epoch seconds); None when
+    # no attempt is scheduled yet, or from an agent that does not say.
+    retry_at: float | None = None
 
 
 # ------------------------------------------------------- node-level messages

@@ -86,7 +86,7 @@ def test_agents_connect_over_mutual_tls_and_a_wrong_certificate_is_refused(tmp_p
         assert r.returncode == 0 and "node-a: not chosen" in r.stdout and "needs 100000" in r.stdout, (
             r.stdout + r.stderr
         )
-        # Only a lost node can be forgotten.
+        # A connected node is not forgotten: only a lost one, or an unreachable one with nothing on it.
         r = ctl("node", "remove", "node-a")
         assert r.returncode == 1 and "ready" in r.stderr
         assert good.stop() == 0, good.text()[-3000:]

@@ -299,6 +299,37 @@ def test_ctl_nodes_nothing_matches(admin):
     assert "no nodes have joined" in ctl(admin, "nodes").stdout
 
 
+def test_ctl_nodes_says_when_a_failed_install_is_tried_again(admin):
+    now = time.time()
+
+    def failed(engine: str, **kw) -> dict:
+        return {engine: {"engine": engine, "version": "b1", "state": "failed", "detail": "no release", **kw}}
+
+    soon = now + 240
+    admin.routes[("GET", "/api/v1/nodes")] = (
+        200,
+        {
+            "nodes": [
+                node("a", provision=failed("llamacpp", retry_at=soon)),
+                node("b", provision=failed("llamacpp", retry_at=now - 300)),
+                node("c", provision=failed("llamacpp")),  # an older agent, or no attempt scheduled yet
+            ]
+        },
+    )
+    r = ctl(admin, "nodes")
+    assert r.exit_code == 0, r.output
+    t = rows(r.stdout)
+    at = time.strftime("%H:%M:%S", time.localtime(soon))
+    assert f"llamacpp failed: no release; next try in 4m ({at})" in t["a"]
+    assert f"next try was due at {time.strftime('%H:%M:%S', time.localtime(now - 300))}" in t["b"]
+    assert "llamacpp failed: no release" in t["c"] and "next try" not in t["c"]
+    r = ctl(admin, "nodes", "--json")
+    assert r.exit_code == 0, r.output
+    by_id = {n["node_id"]: n for n in json.loads(r.stdout)}
+    assert by_id["a"]["provision"]["llamacpp"]["retry_at"] == soon
+    assert "retry_at" not in by_id["c"]["provision"]["llamacpp"]
+
+
 def replica(rid: str, **kw) -> dict:
     base = {
         "id": rid,

@@ -288,22 +288,35 @@ async def test_unreachable_then_lost_and_remove(env):
     svc, server, http = env
     ws = await connect(server, http, reg())
     await async_until(lambda: svc.is_connected("n1"))
-    with pytest.raises(AgentServiceError, match="agent is connected"):
+    with pytest.raises(AgentServiceError, match="agent is connected; drain it"):
         svc.remove("n1")
     await ws.close()
-    await async_until(lambda: not svc.is_connected("n1"))
-    with pytest.raises(AgentServiceError, match="is ready; only a lost node can be removed"):
-        svc.remove("n1")
     await async_until(lambda: svc.get("n1").state == NodeState.UNREACHABLE)
-    with pytest.raises(AgentServiceError, match="is unreachable .*only a lost node can be removed"):
-        svc.remove("n1")
+    # Something placed on it: an unreachable node may come back to it, so it stays.
+    with pytest.raises(AgentServiceError, match=r"is unreachable .* and r1 is placed on it; drain it .*lost_after"):
+        svc.remove("n1", placed=["r1"])
     with pytest.raises(NotConnected, match=r"node n1 is not connected \(unreachable since .*UTC\)"):
         await svc.request("n1", LogsRequest(), timeout=1)
     await async_until(lambda: svc.get("n1").state == NodeState.LOST)
-    assert svc.remove("n1").node_id == "n1"
+    assert svc.remove("n1", placed=["r1"]).node_id == "n1"  # lost: its work is placed elsewhere already
     assert svc.get("n1") is None
     with pytest.raises(AgentServiceError, match="no node named n1"):
         svc.remove("n1")
+
+
+@pytest.mark.parametrize("env", [{"unreachable_after": 1.0, "lost_after": 600, "check_interval": 0.05}], indirect=True)
+async def test_an_unreachable_node_with_nothing_placed_on_it_is_removed_but_a_ready_one_is_not(env):
+    svc, server, http = env
+    ws = await connect(server, http, reg())
+    await async_until(lambda: svc.is_connected("n1"))
+    await ws.close()
+    await async_until(lambda: not svc.is_connected("n1"))
+    # Its stream just closed: an agent restarting comes straight back, so it is not forgotten yet.
+    with pytest.raises(AgentServiceError, match=r"is ready \(its stream closed at .*\); .*unreachable_after"):
+        svc.remove("n1")
+    await async_until(lambda: svc.get("n1").state == NodeState.UNREACHABLE)
+    assert svc.remove("n1").node_id == "n1"  # long before it would be lost (600 s)
+    assert svc.get("n1") is None
 
 
 @pytest.mark.parametrize("env", [{"unreachable_after": 0.2, "lost_after": 0.5, "check_interval": 0.05}], indirect=True)

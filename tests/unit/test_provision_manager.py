@@ -9,7 +9,7 @@ import pytest
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import INSTALLABLE, ConvergeLoop, Installer, Want
 from llmgw.agent.provision.status import InstallRecord, NotHere, ProvisionError, Reporter, Unsupported
-from llmgw.protocol import ProvisionState
+from llmgw.protocol import ProvisionState, ProvisionStatus
 from llmgw.testing.waiting import async_until
 
 HOST = HostFacts(arch="amd64", os_id="ubuntu", cpu_flags=frozenset({"avx2"}))
@@ -26,8 +26,10 @@ class SlowLlama:
         self.release.set()
         self.error: Exception | None = None
         self.installed = False
+        self.attempts = 0
 
     async def ensure(self, version, reporter, *, base_url=None):
+        self.attempts += 1
         self.running += 1
         self.most = max(self.most, self.running)
         try:
@@ -183,3 +185,85 @@ async def test_the_loop_runs_a_pass_when_the_wanted_set_changes():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+def retry_at(inst: Installer) -> float | None:
+    st = inst.statuses.get("llamacpp")
+    return st.retry_at if st is not None else None
+
+
+async def stop(task: asyncio.Task) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_failed_install_says_when_it_is_tried_again_and_an_attempt_under_way_does_not():
+    llama = SlowLlama()
+    llama.error = ProvisionError("no release for this CPU")
+    inst, seen = make(llama)
+    loop = ConvergeLoop(inst, retry_first=60, retry_max=600, wall=lambda: 1000.0)
+    task = asyncio.create_task(loop.run())
+    try:
+        loop.want([Want("llamacpp", "b1")])
+        await async_until(lambda: retry_at(inst) == 1060.0, what="the first retry scheduled")
+        st = inst.statuses["llamacpp"]
+        assert st.state == ProvisionState.FAILED and seen[-1] == st  # the listener (the stream) heard it
+        wire = ProvisionStatus.model_validate(st.to_wire())
+        assert wire.retry_at == 1060.0 and wire.detail == "no release for this CPU"
+
+        # The next attempt (here brought forward by a new want) is under way: no time to come is claimed.
+        llama.release.clear()
+        loop.want([Want("llamacpp", "b1")])
+        await async_until(lambda: llama.running, what="the second attempt running")
+        assert inst.statuses["llamacpp"].retry_at is None and "retry_at" not in inst.statuses["llamacpp"].to_wire()
+        llama.release.set()
+        # It failed again: the backoff doubled, and the time says so.
+        await async_until(lambda: retry_at(inst) == 1120.0, what="the backed-off retry")
+
+        llama.error = None
+        loop.want([Want("llamacpp", "b1")])
+        await async_until(lambda: inst.statuses["llamacpp"].state == ProvisionState.READY, what="the install")
+        assert inst.statuses["llamacpp"].retry_at is None and "retry_at" not in seen[-1].to_wire()
+    finally:
+        await stop(task)
+
+
+async def test_a_restarted_agent_tries_a_failed_install_at_once_with_the_backoff_started_afresh():
+    llama = SlowLlama()
+    llama.error = ProvisionError("download refused")
+    inst, _ = make(llama)
+    # An hour's backoff: were any of it remembered, the new agent's first attempt would wait it out.
+    first = ConvergeLoop(inst, retry_first=3600, retry_max=14400, wall=lambda: 0.0)
+    task = asyncio.create_task(first.run())
+    try:
+        for n in (1, 2, 3):
+            first.want([Want("llamacpp", "b1")])
+            await async_until(lambda n=n: first.passes == n, what=f"pass {n}")
+        assert first.next_delay(list(inst.statuses.values())) == 14400  # backed off to its ceiling
+    finally:
+        await stop(task)
+
+    # The agent starts again: a new installer and loop, as AgentService.run builds them.
+    attempts = llama.attempts
+    again, _ = make(llama)
+    loop = ConvergeLoop(again, retry_first=3600, retry_max=14400, wall=lambda: 0.0)
+    task = asyncio.create_task(loop.run())
+    try:
+        loop.want([Want("llamacpp", "b1")])
+        await async_until(lambda: llama.attempts > attempts, timeout=10, what="the new agent's first attempt")
+        await async_until(lambda: retry_at(again) is not None, what="its retry scheduled")
+        assert again.statuses["llamacpp"].retry_at == 3600.0  # the first step of the backoff, not the ceiling
+    finally:
+        await stop(task)
+
+
+def test_the_retry_time_is_an_optional_wire_field_that_older_agents_leave_out():
+    old = {"engine": "llamacpp", "version": "b1", "state": "failed", "detail": "it broke"}
+    assert ProvisionStatus.model_validate(old).retry_at is None
+    assert InstallRecord("llamacpp", "b1", ProvisionState.FAILED, "it broke").to_wire() == old
+    new = InstallRecord("llamacpp", "b1", ProvisionState.FAILED, "it broke", retry_at=1700000000.5).to_wire()
+    assert new == {**old, "retry_at": 1700000000.5}
+    assert ProvisionStatus.model_validate(new).retry_at == 1700000000.5
+    # Passed on by the control plane as the agent left it.
+    assert ProvisionStatus.model_validate(new).model_dump(mode="json", exclude_none=True) == new

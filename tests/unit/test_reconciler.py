@@ -26,7 +26,7 @@ from llmgw.protocol import (
     StartShard,
     StopShard,
 )
-from llmgw.server.control.agents import AgentService, NodeState
+from llmgw.server.control.agents import AgentService, AgentServiceError, NodeState
 from llmgw.server.control.catalog import Catalog
 from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.gateway.endpoints import EndpointSet
@@ -319,6 +319,33 @@ async def test_a_lost_node_has_its_replica_placed_again_at_once(clock):
     assert len(starts) == 2 and starts[1][0] != node
     assert rec.model_status("m")["backoff"] is None
     assert not rec.endpoints.model_ready("m")  # the lost one was unpublished
+
+
+async def test_node_remove_takes_a_lost_node_or_an_unreachable_one_with_nothing_placed_on_it(clock):
+    fleet = Fleet()
+    for n in ("n1", "n2", "n3"):
+        fleet.add(n)
+    rec = make(fleet, [model("m")], clock)
+    await rec.tick()
+    ((busy, spec),) = fleet.starts()
+    ready_all(fleet, rec)
+    empty, stray = (n for n in ("n1", "n2", "n3") if n != busy)
+    # A shard the node runs that no replica holds (here: one never adopted) is placed there too.
+    fleet.report(stray, "x-0", ShardState.READY)
+    for n in ("n1", "n2", "n3"):
+        fleet.svc.get(n).state = NodeState.UNREACHABLE
+        fleet.connected.discard(n)
+
+    with pytest.raises(AgentServiceError, match=rf"{busy} is unreachable .* and {spec.replica_id} is placed on it"):
+        rec.remove_node(busy)
+    with pytest.raises(AgentServiceError, match=r"x-0 is placed on it; drain it .* or wait until it is lost"):
+        rec.remove_node(stray)
+    assert rec.remove_node(empty).node_id == empty and fleet.svc.get(empty) is None
+
+    fleet.svc.get(busy).state = NodeState.LOST
+    assert rec.remove_node(busy).node_id == busy and fleet.svc.get(busy) is None
+    await rec.tick()
+    assert not rec.endpoints.model_ready("m")  # its replica went with it, to be placed again
 
 
 async def test_adoption_after_a_restart_starts_nothing(clock):

@@ -7,13 +7,17 @@ install per engine at a time; different engines proceed side by side.
 
 :class:`ConvergeLoop` is the agent's timer around it: a pass whenever the
 wanted set changes, again every ten minutes (an unrelated upgrade can remove
-a library), and after a failure one minute later, backing off to ten.
+a library), and after a failure one minute later, backing off to ten. Each
+failed engine's status then says when that next pass comes (``retry_at``).
+The backoff lives only in memory: an agent that starts again (a restart, a
+rerun ``llmgw node add``) tries a failed install on its first pass, at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -169,6 +173,13 @@ class Installer:
         self._last[want.engine] = reporter.status
         return reporter.status
 
+    def schedule_retry(self, engines: Sequence[str], at: float) -> None:
+        """Say on each of ``engines`` still failed when it is tried again (wall clock)."""
+        for engine in engines:
+            st = self._last.get(engine)
+            if st is not None and st.state == ProvisionState.FAILED and st.retry_at != at:
+                self._emit(replace(st, retry_at=at))
+
     async def install_packages(
         self, by_family: Mapping[str, Sequence[str]], report: Callable[[str], None] | None = None
     ) -> list[str]:
@@ -186,8 +197,10 @@ class ConvergeLoop:
         recheck: float = RECHECK_INTERVAL,
         retry_first: float = RETRY_FIRST,
         retry_max: float = RETRY_MAX,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.installer = installer
+        self.wall = wall
         self.recheck = recheck
         self.retry_first = retry_first
         self.retry_max = retry_max
@@ -215,7 +228,11 @@ class ConvergeLoop:
             self._changed.clear()
             statuses = await self.installer.converge(self._wants or [])
             self.passes += 1
+            delay = self.next_delay(statuses)
+            failed = [s.engine for s in statuses if s.state == ProvisionState.FAILED]
+            if failed:
+                self.installer.schedule_retry(failed, self.wall() + delay)
             try:
-                await asyncio.wait_for(self._changed.wait(), self.next_delay(statuses))
+                await asyncio.wait_for(self._changed.wait(), delay)
             except TimeoutError:
                 self._changed.set()

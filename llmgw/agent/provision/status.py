@@ -31,6 +31,8 @@ class InstallRecord:
     # not say how long the file is (no percentage is invented then).
     bytes_done: int | None = None
     bytes_total: int | None = None
+    # Failed: wall clock (epoch seconds) of the next attempt, once one is scheduled.
+    retry_at: float | None = None
 
     def to_wire(self) -> dict:
         """The fields of ``llmgw.protocol.ProvisionStatus``; absent means unknown.
@@ -45,6 +47,8 @@ class InstallRecord:
             d["progress"] = {"bytes_done": self.bytes_done}
             if self.bytes_total is not None:
                 d["progress"]["bytes_total"] = self.bytes_total
+        if self.retry_at is not None:
+            d["retry_at"] = self.retry_at
         return d
 
 
@@ -94,9 +98,11 @@ class Reporter:
         self._last_at = float("-inf")
 
     def update(self, **changes) -> InstallRecord:
-        """Change fields and report; progress fields are cleared unless given."""
+        """Change fields and report; progress and the retry time are cleared unless given
+        (an attempt under way is not one still to come)."""
         changes.setdefault("bytes_done", None)
         changes.setdefault("bytes_total", None)
+        changes.setdefault("retry_at", None)
         self.status = replace(self.status, **changes)
         self._send(force=True)
         return self.status

@@ -219,10 +219,9 @@ class AdminAPI:
         return json_reply(ReplicasReply(replicas=[ReplicaRow.model_validate(r) for r in rec.replica_rows(model)]))
 
     async def _api_node_remove(self, request: web.Request) -> web.Response:
-        if self.s.agents is None:
-            raise NotControlPlane()
+        rec = self._need_reconciler()  # it knows what is placed on the node
         try:
-            self.s.agents.remove(request.match_info["node"])
+            rec.remove_node(request.match_info["node"])
         except AgentServiceError as exc:
             return error_response(400, str(exc), "refused")
         return json_reply(Removed(removed=request.match_info["node"]))

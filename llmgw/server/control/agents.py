@@ -19,7 +19,7 @@ import datetime as dt
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -294,24 +294,39 @@ class AgentService:
         finally:
             conn.pending.pop(rid, None)
 
-    def remove(self, node_id: str) -> Node:
-        """Forget a lost node; any other state is refused, saying it."""
+    def remove(self, node_id: str, placed: Sequence[str] = ()) -> Node:
+        """Forget a node gone for good: a lost one, or an unreachable one with nothing placed
+        on it (``placed``: what the reconciler has there, Reconciler.placed_on). Anything else
+        is refused, saying the node's state and what to do."""
         node = self._nodes.get(node_id)
         if node is None:
             raise AgentServiceError(f"no node named {node_id} is known")
+        drain = f"drain it (llmgw ctl drain {node_id}) and stop its agent"
+        lost = f"it is lost after {self.lost_after:g}s without a heartbeat (control.lost_after)"
         if node_id in self._conns:
             raise AgentServiceError(
                 f"node {node_id} is {node.state.value} and its agent is connected; "
-                "stop the agent first, then remove the node once it is lost"
+                f"{drain}, then remove it once it is unreachable, or stop its agent and remove it once {lost}"
             )
-        if node.state != NodeState.LOST:
-            since = f" (last heartbeat {_utc(node.last_seen)})" if node.state != NodeState.READY else ""
+        if node.state == NodeState.LOST:
+            pass  # its replicas are placed elsewhere already
+        elif node.state == NodeState.UNREACHABLE:
+            if placed:
+                raise AgentServiceError(
+                    f"node {node_id} is unreachable (last heartbeat {_utc(node.last_seen)}) and "
+                    f"{', '.join(placed)} {'is' if len(placed) == 1 else 'are'} placed on it; "
+                    f"{drain}, or wait until {lost}, then remove it"
+                )
+        else:
+            # Ready, its stream closed moments ago: an agent restarting comes straight back.
             raise AgentServiceError(
-                f"node {node_id} is {node.state.value}{since}; only a lost node can be removed "
-                f"(lost after {self.lost_after:g}s without a heartbeat)"
+                f"node {node_id} is {node.state.value} (its stream closed at {_utc(node.disconnected_at)}); "
+                f"once its agent is stopped it is unreachable after {self.unreachable_after:g}s "
+                "(control.unreachable_after) and can be removed if nothing is placed on it, "
+                f"or {drain} first"
             )
         del self._nodes[node_id]
-        log.info("node %s removed", node_id)
+        log.info("node %s removed (it was %s)", node_id, node.state.value)
         return node
 
     def _conn_for(self, node_id: str, msg: Message) -> _Conn:

@@ -420,6 +420,26 @@ class Reconciler:
             "ready before the old one stops; llmgw ctl replicas shows the progress"
         )
 
+    def remove_node(self, node_id: str) -> Node:
+        """`llmgw node remove`: forget a lost node, or an unreachable one with nothing placed on it
+        (AgentService.remove says why not, raising AgentServiceError)."""
+        return self.agents.remove(node_id, placed=self.placed_on(node_id))
+
+    def placed_on(self, node_id: str) -> list[str]:
+        """What is placed on the node: replicas with a shard there not known to have ended, then
+        shards it last reported running that no replica holds (not adopted, or still being stopped)."""
+        replicas = self._replicas_on(node_id)
+        held = {s.shard_id for r in replicas for s in r.shards}
+        out = sorted(
+            (r.id for r in replicas if any(s.node_id == node_id and not s.gone for s in r.shards)), key=natural_key
+        )
+        node = self.agents.get(node_id)
+        if node is not None:
+            out += sorted(
+                (sid for sid, st in node.shards.items() if st.state.running and sid not in held), key=natural_key
+            )
+        return out
+
     def _replicas_on(self, node_id: str) -> list[Replica]:
         return [r for r in self.replicas.values() if node_id in r.node_ids]
 
