@@ -15,7 +15,10 @@ from llmgw.agent.provision.python_engines import MIN_COMPUTE_CAPABILITY as VLLM_
 from llmgw.agent.provision.python_engines import MIN_DRIVER as VLLM_MIN_DRIVER
 from llmgw.pki.ca import CERT_BACKDATE
 from llmgw.protocol import IBPort
-from llmgw.protocol.doctor import Facts, Finding, Level
+from llmgw.protocol.doctor import Facts, Finding, Level, PortSubnetManagers, SMRecord
+
+from .nvidia import is_gpu
+from .subnet import MASTER, STANDBY
 
 GIB = 1 << 30
 # Below this a machine holds only the smallest models next to its OS; engines
@@ -303,6 +306,77 @@ def check_gpus(f: Facts, out: list[Finding]) -> None:
             _add(out, Level.FAIL, "gpu", f"GPU {g.index}: {p}", "nvidia-smi -r -i " + str(g.index) + " (or replace it)")
 
 
+def check_driver(f: Facts, out: list[Finding]) -> None:
+    """The NVIDIA driver answering: NVIDIA GPUs on the PCI bus with no
+    nvidia-smi, or an nvidia-smi that does not list them."""
+    inv = f.inventory
+    loaded = inv.host.nvidia_driver if inv and inv.host else None
+    on_bus = [d for d in f.nvidia_pci or () if is_gpu(d)]
+    smi = f.nvidia_smi
+    if smi is None:
+        if on_bus and not (inv and inv.gpus):
+            names = ", ".join(sorted({d.name or f"10de:{d.device_id}" for d in on_bus}))
+            why = (
+                f"the kernel module {loaded} is loaded but nvidia-smi is not installed"
+                if loaded
+                else "no NVIDIA driver is installed (no nvidia-smi)"
+            )
+            _add(
+                out,
+                Level.FAIL,
+                "gpu",
+                f"{len(on_bus)} NVIDIA GPU(s) on the PCI bus ({names}), and {why}: the agent sees no GPU here",
+                "install the NVIDIA driver with its utilities (580 or newer, which vLLM needs), then rerun doctor",
+            )
+        return
+    if not smi.answered:
+        _add(
+            out,
+            Level.FAIL,
+            "gpu",
+            f"the NVIDIA driver does not answer: {smi.error or 'nvidia-smi -L failed'}: "
+            + (f"it lists {smi.gpus} GPU(s) and fails on the rest" if smi.gpus else "the agent sees no GPU here"),
+            _driver_fix(smi.error or "", f.modules, loaded),
+        )
+    elif on_bus and smi.gpus is not None and smi.gpus < len(on_bus):
+        said = f" ({smi.error})" if smi.error else ""
+        _add(
+            out,
+            Level.WARN,
+            "gpu",
+            f"{len(on_bus)} NVIDIA GPUs are on the PCI bus but the driver lists {smi.gpus}{said}: "
+            "the others are not used",
+            "`dmesg | grep -i -e xid -e nvrm` says why (a GPU given to a VM through vfio-pci is meant to be missing); "
+            "a GPU that fell off the bus needs a reboot",
+        )
+
+
+def _driver_fix(error: str, modules: list[str] | None, loaded: str | None) -> str:
+    e = error.lower()
+    if "version mismatch" in e:
+        return (
+            f"reboot: the driver's libraries were upgraded and the kernel still runs the old module ({loaded or '?'})"
+            ", or reinstall one driver version throughout"
+        )
+    if "couldn't communicate" in e or "could not communicate" in e:
+        if modules is not None and "nouveau" in modules:
+            return (
+                "nouveau holds the GPUs: blacklist it (echo 'blacklist nouveau' > /etc/modprobe.d/blacklist-nouveau.conf"
+                ", then rebuild the initramfs) and reboot"
+            )
+        return (
+            "load the driver: `modprobe nvidia`; when that fails `dmesg | grep -i nvrm` says why (Secure Boot "
+            "refusing an unsigned module, a kernel updated without its DKMS build)"
+        )
+    if "device handle" in e or "gpu is lost" in e:
+        return "a GPU fell off the bus: reboot; if it happens again check its power and seating (`dmesg | grep -i xid`)"
+    if "no devices were found" in e:
+        return "the driver supports none of these GPUs, or vfio-pci holds them: `dmesg | grep -i nvrm`"
+    if "did not answer within" in e or "did not finish" in e:
+        return "the driver is wedged (`dmesg | grep -i -e xid -e nvrm`): reboot the machine"
+    return "`dmesg | grep -i nvrm` says why"
+
+
 def check_fabric_manager(f: Facts, out: list[Finding]) -> None:
     if not f.nvswitch:
         return
@@ -399,6 +473,49 @@ def check_imex(f: Facts, out: list[Finding]) -> None:
         )
     else:
         _add(out, Level.OK, "nvlink", f"nvidia-imex is active with {imex.channels} channel(s)")
+    check_imex_peers(f, out)
+
+
+def check_imex_peers(f: Facts, out: list[Finding]) -> None:
+    """The nodes of nodes_config.cfg: this node among them, the others answering on the IMEX port."""
+    c = f.imex_config
+    if c is None:
+        return  # no config.cfg: nvidia-imex is not installed, which check_imex says
+    if c.peers is None:
+        _add(
+            out,
+            Level.FAIL,
+            "nvlink",
+            f"nvidia-imex's node list {c.nodes_file} could not be read ({c.error}): IMEX cannot start without it",
+            f"list every node of the NVLink domain in {c.nodes_file}, one IP address per line, on every node",
+        )
+        return
+    if c.local_addresses is not None and not any(p.local for p in c.peers):
+        _add(
+            out,
+            Level.FAIL,
+            "nvlink",
+            f"none of this node's addresses is in {c.nodes_file} ({', '.join(p.address for p in c.peers) or 'empty'})"
+            ": nvidia-imex does not find itself in its domain and will not start",
+            f"add this node's address on the IMEX network to {c.nodes_file} on every node of the domain, "
+            "then `systemctl restart nvidia-imex` on each",
+        )
+    silent = [p for p in c.peers if p.reachable is False]
+    if silent:
+        _add(
+            out,
+            Level.WARN,
+            "nvlink",
+            f"IMEX peer(s) do not answer on port {c.port}: "
+            + ", ".join(f"{p.address} ({p.error})" for p in silent)
+            + ": GPU memory cannot be shared with them",
+            f"start nvidia-imex on them, and let TCP port {c.port} through between the domain's nodes",
+        )
+    answered = [p for p in c.peers if p.reachable]
+    if answered and not silent:
+        _add(
+            out, Level.OK, "nvlink", f"the {len(answered)} other IMEX peer(s) in {c.nodes_file} answer on port {c.port}"
+        )
 
 
 def check_vllm(f: Facts, out: list[Finding]) -> None:
@@ -472,6 +589,16 @@ def check_ports(f: Facts, out: list[Finding]) -> None:
     for p in ports:
         name = _port_name(p)
         rate = f"{p.rate_gbps:g} Gb/s" if p.rate_gbps is not None else "? Gb/s"
+        if (p.state or "").upper() == "INIT" and (p.phys_state or "").lower() == "linkup":
+            # The cable works (the link trained) but no SM has configured the port.
+            _add(
+                out,
+                Level.WARN,
+                "fabric",
+                f"{name} is INIT with its link up: no subnet manager has configured it",
+                "start a subnet manager on the fabric (opensm, or the switch's own), or check that it sees this port",
+            )
+            continue
         if not p.active:
             _add(
                 out,
@@ -519,6 +646,85 @@ def check_ports(f: Facts, out: list[Finding]) -> None:
         else:
             detail = f" ({p.rate_detail})" if p.rate_detail else ""
             _add(out, Level.OK, "fabric", f"{name} ACTIVE {rate}{detail} {p.link_layer or ''}".rstrip())
+
+
+def _sm(r: SMRecord) -> str:
+    return f"{r.guid or '?'} (lid {r.lid if r.lid is not None else '?'}, priority {r.priority if r.priority is not None else '?'})"
+
+
+def _ports(rows: list[PortSubnetManagers]) -> str:
+    return ", ".join(f"{r.hca}/{r.port}" for r in rows)
+
+
+def _diags_fix(f: Facts) -> str:
+    pm = f.inventory.host.package_manager if f.inventory and f.inventory.host else None
+    return f"{pm} install infiniband-diags" if pm else "install infiniband-diags (apt-get, dnf or zypper)"
+
+
+def check_subnet_managers(f: Facts, out: list[Finding]) -> None:
+    """Each ACTIVE InfiniBand port's master SM, and a standby on its subnet."""
+    sm = f.subnet_managers
+    if sm is None or not sm.ports:
+        return
+    if sm.missing_tools:
+        _add(
+            out,
+            Level.WARN,
+            "fabric",
+            f"infiniband-diags is not installed (no {', '.join(sm.missing_tools)}): doctor cannot see which subnet "
+            f"managers serve {_ports(sm.ports)} nor whether one stands by",
+            _diags_fix(f),
+        )
+    for row in sm.ports:
+        if row.error:
+            e = row.error.lower()
+            fix = (
+                "modprobe ib_umad (the diagnostics talk to the adapter through it)"
+                if "ib_umad" in e
+                else "run doctor as root: the diagnostics open /dev/infiniband/umad*, which only root may"
+                if "umad" in e or "permission" in e
+                else f"`sminfo -C {row.hca} -P {row.port}` and `saquery -C {row.hca} -P {row.port} SMIR` by hand"
+            )
+            what = "its subnet manager" if row.master is None else "the subnet managers of its subnet"
+            _add(out, Level.WARN, "fabric", f"could not ask {row.hca}/{row.port} for {what}: {row.error}", fix)
+    by_master: dict[str, list[PortSubnetManagers]] = {}
+    for row in sm.ports:
+        if row.master and row.master.guid:
+            by_master.setdefault(row.master.guid, []).append(row)
+    for rows in by_master.values():
+        master = rows[0].master
+        assert master is not None
+        if master.state != MASTER:
+            _add(
+                out,
+                Level.WARN,
+                "fabric",
+                f"the subnet manager {_ports(rows)} point(s) to, {_sm(master)}, reports {master.state}, not master: "
+                "the subnet is sweeping or its master just failed",
+                "rerun doctor in a minute; if it stays, check the subnet managers (`sminfo`, the SM's log)",
+            )
+            continue
+        managers = next((r.managers for r in rows if r.managers is not None), None)
+        if managers is None:
+            continue  # could not be read: said above
+        standbys = [m for m in managers if m.state == STANDBY and m.guid != master.guid]
+        if not standbys:
+            _add(
+                out,
+                Level.WARN,
+                "fabric",
+                f"no standby subnet manager on the subnet of {_ports(rows)} (master {_sm(master)}): "
+                "a master's failure stops the fabric's routing changes",
+                "run a second subnet manager at a lower priority on another switch or host (e.g. `opensm -p 14`, "
+                "or the switch's SM high-availability setting), so it stands by to take over",
+            )
+        else:
+            _add(
+                out,
+                Level.OK,
+                "fabric",
+                f"subnet of {_ports(rows)}: master {_sm(master)}, standby " + ", ".join(_sm(m) for m in standbys),
+            )
 
 
 def check_declared_fabrics(f: Facts, out: list[Finding]) -> None:
@@ -569,11 +775,13 @@ def check_unreadable(f: Facts, out: list[Finding]) -> None:
 
 CHECKS: tuple[Callable[[Facts, list[Finding]], None], ...] = (
     check_gpus,
+    check_driver,
     check_fabric_manager,
     check_nvlink_domain,
     check_imex,
     check_rdma_modules,
     check_ports,
+    check_subnet_managers,
     check_declared_fabrics,
     check_control_plane,
     check_cpu,

@@ -1,6 +1,8 @@
 """Reading what doctor judges: discovery's inventory plus what the checks
 need that discovery does not read (engines, glibc, memlock, the bootstrap
-route, kernel modules, services, the control plane).
+route, kernel modules, services, the control plane, NVIDIA's devices on the
+PCI bus and whether the driver answers, nvidia-imex's peers, the InfiniBand
+subnet managers: nvidia.py and subnet.py).
 
 Every source is injectable (root directories, a command runner, a dialler)
 so tests run on captured outputs. Nothing here judges: a missing tool or an
@@ -32,7 +34,7 @@ from cryptography import x509
 from llmgw.agent.discovery.collect import DiscoveryOptions, collect_inventory
 from llmgw.agent.discovery.commands import Runner, Which, run_command
 from llmgw.agent.discovery.commands import which as default_which
-from llmgw.agent.discovery.infiniband import DEFAULT_IB_ROOT
+from llmgw.agent.discovery.infiniband import DEFAULT_IB_ROOT, ports_of, read_adapters
 from llmgw.agent.discovery.topology import TOPO_TIMEOUT_S
 from llmgw.agent.engines.common import nccl_env
 from llmgw.agent.engines.spec import Adapter, NodeFacts, Profile, ShardLaunch
@@ -45,7 +47,19 @@ from llmgw.errors import LlmgwError
 from llmgw.pki.ca import PKIError, san_names
 from llmgw.pki.tls import client_context
 from llmgw.protocol import NodeInventory
-from llmgw.protocol.doctor import ControlPlane, DeclaredFabric, Facts, InstalledEngine, Memlock, Route, Service
+from llmgw.protocol.doctor import (
+    ControlPlane,
+    DeclaredFabric,
+    Facts,
+    InstalledEngine,
+    Memlock,
+    PciDevice,
+    Route,
+    Service,
+)
+
+from .nvidia import IMEX_CONFIG_FILE, Connect, is_nvswitch, nvidia_pci, probe_smi, read_imex_config, tcp_connect
+from .subnet import collect_subnet_managers
 
 # The spec's cap on reading everything: long enough for a slow nvidia-smi on
 # eight cards, short enough that `node add` on twenty machines is not stuck on one.
@@ -105,6 +119,11 @@ class DoctorOptions:
     free_bytes: Callable[[str], int | None] | None = field(default=None, repr=False)
     resolve: Resolver | None = field(default=None, repr=False)
     dial: Dialler | None = field(default=None, repr=False)
+    # Where tools root installs live: Debian leaves /usr/sbin off a user's
+    # PATH, and lspci, sminfo and saquery may be there.
+    sbin_dirs: tuple[Path, ...] = (Path("/usr/sbin"), Path("/sbin"))
+    imex_config: Path = IMEX_CONFIG_FILE
+    connect: Connect = field(default=tcp_connect, repr=False)  # dials the IMEX peers
     timeout_s: float = COLLECT_TIMEOUT_S
 
 
@@ -131,7 +150,16 @@ def collect_facts(opts: DoctorOptions) -> Facts:
         "the systemd units": lambda: _services(opts),
         "kernel modules": lambda: read_modules(opts.proc_root),
         "NVSwitch devices": lambda: nvswitch_devices(opts.dev_root, opts.proc_root),
+        "the subnet managers": lambda: collect_subnet_managers(
+            ports_of(read_adapters(_discovery_options(opts).ib_root)), opts.run, lambda name: tool(opts, name)
+        ),
+        "the IMEX configuration": lambda: read_imex_config(opts.imex_config, opts.run, opts.connect),
     }
+    if not (cfg and cfg.discovery.skip_gpus):
+        steps["the PCI bus"] = lambda: nvidia_pci(opts.run, tool(opts, "lspci"), opts.sys_root)
+        smi = smi_path(opts)
+        if smi:
+            steps["the NVIDIA driver"] = lambda: probe_smi(smi, opts.run)
     target = control_plane_target(cfg) if cfg else None
     steps["the bootstrap route"] = lambda: bootstrap_route(opts, target.host if target else None)
     if target is not None:
@@ -153,8 +181,12 @@ def collect_facts(opts: DoctorOptions) -> Facts:
     facts.modules = results.get("kernel modules")
     facts.route = results.get("the bootstrap route")
     facts.control_plane = results.get("the control plane")
+    facts.subnet_managers = results.get("the subnet managers")
+    facts.imex_config = results.get("the IMEX configuration")
+    facts.nvidia_pci, facts.nvidia_pci_source = results.get("the PCI bus") or (None, None)
+    facts.nvidia_smi = results.get("the NVIDIA driver")
     devices = results.get("NVSwitch devices")
-    facts.nvswitch, facts.nvswitch_evidence = nvswitch_from(devices, inv)
+    facts.nvswitch, facts.nvswitch_evidence = nvswitch_from(devices, inv, facts.nvidia_pci)
     if inv is not None and inv.gpus:
         facts.topo_raw = _topo_raw(opts, unreadable)
     facts.nccl = nccl_per_fabric(facts)
@@ -205,8 +237,20 @@ def _discovery_options(opts: DoctorOptions) -> DiscoveryOptions:
     )
 
 
+def smi_path(opts: DoctorOptions) -> str | None:
+    return opts.nvidia_smi or (opts.config.discovery.nvidia_smi if opts.config else None) or opts.which("nvidia-smi")
+
+
+def tool(opts: DoctorOptions, name: str) -> str | None:
+    """A tool on PATH, else in the sbin directories."""
+    found = opts.which(name)
+    if found:
+        return found
+    return next((str(d / name) for d in opts.sbin_dirs if (d / name).is_file()), None)
+
+
 def _topo_raw(opts: DoctorOptions, unreadable: list[str]) -> str | None:
-    smi = opts.nvidia_smi or (opts.config.discovery.nvidia_smi if opts.config else None) or opts.which("nvidia-smi")
+    smi = smi_path(opts)
     if not smi:
         return None
     res = opts.run([smi, "topo", "-m"], TOPO_TIMEOUT_S)
@@ -366,14 +410,21 @@ def nvswitch_devices(dev_root: Path, proc_root: Path) -> int:
 MAX_DIRECT_NVLINKS = 18
 
 
-def nvswitch_from(devices: int | None, inv: NodeInventory | None) -> tuple[bool | None, str | None]:
+def nvswitch_from(
+    devices: int | None, inv: NodeInventory | None, pci: list[PciDevice] | None = None
+) -> tuple[bool | None, str | None]:
     if devices:
         return True, f"{devices} NVSwitch device(s) under /dev"
+    # The bus shows the switches with no driver loaded (no /dev files then,
+    # and no nvidia-smi to count NVLinks with).
+    switches = [d for d in pci or () if is_nvswitch(d)]
+    if switches:
+        return True, f"{len(switches)} NVSwitch(es) on the PCI bus ({switches[0].address} 10de:{switches[0].device_id})"
     for g in (inv.gpus if inv else None) or ():
         total = sum(p.links or 0 for p in g.nvlink_peers or ())
         if total > MAX_DIRECT_NVLINKS:
             return True, f"GPU {g.index} has {total} NVLinks to its peers, more than a card has without a switch"
-    if inv is None or inv.gpus is None:
+    if (inv is None or inv.gpus is None) and pci is None:
         return None, None
     return False, None
 

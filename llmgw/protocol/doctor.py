@@ -110,6 +110,78 @@ class DeclaredFabric(WireModel):
     hcas: list[str]
 
 
+class PciDevice(WireModel):
+    """An NVIDIA device on the PCI bus (`lspci -Dnn -d 10de:`, else sysfs):
+    seen whether or not a driver answers for it."""
+
+    address: str  # 0000:07:00.0
+    class_id: str  # 4 hex digits: 0302 3D controller, 0300 VGA, 0680 other bridge (NVSwitch)
+    device_id: str  # 4 lower hex digits; the vendor is always NVIDIA's 10de
+    name: str | None = None  # lspci's words, when its pci.ids knows the device
+
+
+class SmiProbe(WireModel):
+    """`nvidia-smi -L`, run to see whether the driver answers."""
+
+    path: str
+    answered: bool
+    gpus: int | None = None  # "GPU n:" lines listed
+    # What it said instead of (or besides) listing the GPUs: the driver not
+    # loaded, a version mismatch, a GPU it cannot reach, or a timeout.
+    error: str | None = None
+
+
+class SMRecord(WireModel):
+    """One subnet manager, as `sminfo` or `saquery SMIR` reports it."""
+
+    guid: str | None = None  # 0x + 16 lower-case hex digits
+    lid: int | None = None
+    priority: int | None = None
+    state: str | None = None  # sminfo's words: SMINFO_MASTER, SMINFO_STANDBY, SMINFO_DISCOVER, SMINFO_NOTACT
+
+
+class PortSubnetManagers(WireModel):
+    """What one ACTIVE InfiniBand port learns about its subnet's managers."""
+
+    hca: str
+    port: int
+    master: SMRecord | None = None  # `sminfo -C hca -P port`: the SM this port's SM LID names
+    # Every SM on that subnet; None when not read. Asked once per master, on
+    # one port, and copied to the others under that master.
+    managers: list[SMRecord] | None = None
+    source: str | None = None  # "saquery SMIR", "saquery -s + sminfo", "as mlx5_0/1"
+    error: str | None = None  # why the master or the managers could not be read
+
+
+class SubnetManagers(WireModel):
+    """The subnet managers behind this node's ACTIVE InfiniBand ports (infiniband-diags)."""
+
+    missing_tools: list[str] | None = None  # sminfo, saquery: not installed
+    ports: list[PortSubnetManagers] | None = None
+
+
+class ImexPeer(WireModel):
+    """One address of nodes_config.cfg, dialled on the IMEX port."""
+
+    address: str
+    local: bool = False  # one of this node's own addresses: not dialled
+    reachable: bool | None = None
+    error: str | None = None
+
+
+class ImexConfig(WireModel):
+    """nvidia-imex's configuration as this node has it, and whether its peers answer."""
+
+    config_file: str  # /etc/nvidia-imex/config.cfg
+    nodes_file: str  # its IMEX_NODE_CONFIG_FILE
+    port: int  # its SERVER_PORT
+    peers: list[ImexPeer] | None = None  # None when nodes_file could not be read
+    error: str | None = None  # why nodes_file could not be read
+    # This node's addresses as `ip` lists them; None when unknown (then no
+    # peer is marked local and none is said missing).
+    local_addresses: list[str] | None = None
+
+
 class Facts(WireModel):
     """Everything doctor read on this node."""
 
@@ -135,6 +207,11 @@ class Facts(WireModel):
     # The NCCL environment a multi-node shard on each declared fabric is given.
     nccl: dict[str, dict[str, str]] | None = None
     control_plane: ControlPlane | None = None
+    nvidia_pci: list[PciDevice] | None = None  # None: neither lspci nor sysfs could be read
+    nvidia_pci_source: str | None = None  # "lspci" or "sysfs"
+    nvidia_smi: SmiProbe | None = None  # None: no nvidia-smi to run
+    subnet_managers: SubnetManagers | None = None  # None: no ACTIVE InfiniBand port
+    imex_config: ImexConfig | None = None  # None: no nvidia-imex configuration here
     topo_raw: str | None = None  # `nvidia-smi topo -m`, kept for --verbose and for whoever reads the JSON
     # Steps that failed or ran past the time allowed, in words.
     unreadable: list[str] | None = None

@@ -21,6 +21,7 @@ from llmgw.protocol import GPU, IMEX, Host, NodeInventory
 from llmgw.protocol.doctor import ControlPlane, Facts, Level, Memlock
 
 FIX = Path(__file__).parent.parent / "fixtures" / "discovery"
+DOCTOR_FIX = Path(__file__).parent.parent / "fixtures" / "doctor"
 SMI = "/usr/bin/nvidia-smi"
 GIB = 1 << 30
 
@@ -52,6 +53,7 @@ def h100_answers(fm_state: str = "inactive") -> dict[tuple[str, ...], object]:
     return {
         (SMI, "topo", "-m"): (FIX / "topo_h100_sxm_nics.txt").read_text(),
         (SMI, "-q"): (FIX / "smi_q_hgx_h100.txt").read_text(),
+        (SMI, "-L"): (DOCTOR_FIX / "smi_L_hgx_h100.txt").read_text(),
         (SMI,): (FIX / "query_gpu_h100.csv").read_text(),
         ("systemctl", "show", "nvidia-fabricmanager"): systemctl_show("loaded", fm_state),
         ("systemctl", "show", "llmgw-agent"): systemctl_show("loaded", "active", "infinity"),
@@ -111,6 +113,9 @@ def machine(
         write_port(ib_root, "mlx5_0", 1)
     systemd = tmp_path / "run-systemd"
     systemd.mkdir()
+    # Nothing of this machine's own: no sbin directory to find tools in, no IMEX configuration.
+    kw.setdefault("sbin_dirs", ())
+    kw.setdefault("imex_config", tmp_path / "etc-nvidia-imex" / "config.cfg")
     cfg = parse_agent_config(yaml.safe_load(config)) if config else None
     return DoctorOptions(
         config=cfg,
