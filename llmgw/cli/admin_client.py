@@ -113,31 +113,21 @@ def connect(server: str | None, token_file: Path | None) -> Admin:
 
 def admin_call(method: str, admin: Admin, path: str, body: dict | None = None) -> dict:
     """One call; exits with the server's own sentence when it refuses."""
-    import httpx
+    from llmgw.admin_api import AdminAPIError, error_message, request
 
     url = admin.url + path
-    if body is None and method in ("POST", "PUT", "PATCH"):
-        body = {}  # the admin API refuses writes that are not JSON, even empty ones
     attempts: list[tuple[str, str] | None] = list(admin.tokens) or [None]
     r = None
     for cred in attempts:
-        headers = {"Authorization": f"Bearer {cred[0]}"} if cred else {}
         try:
-            # A source check may fetch a manifest from far away: give it time.
-            r = httpx.request(method, url, headers=headers, json=body, timeout=60, verify=admin.verify)
-        except httpx.HTTPError as exc:
-            fail(
-                f"cannot reach the control plane's admin API at {admin.url}: {exc}; is llmgw server running, "
-                "and is --server its admin_listen?"
-            )
+            r = request(method, url, cred[0] if cred else None, body, verify=admin.verify)
+        except AdminAPIError as exc:
+            fail(f"{exc}; is llmgw server running, and is --server its admin_listen?")
         if r.status_code != 401:
             break
     assert r is not None
     if not 200 <= r.status_code < 300:
-        try:
-            message = r.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text[:200]
+        message = error_message(r)
         if r.status_code == 401:
             tried = ", ".join(where for _, where in admin.tokens)
             message += f" (tried: {tried})" if tried else ""

@@ -43,10 +43,6 @@ NOT_ROOT = (
     "user llmgw and writes /etc/llmgw, /var/lib/llmgw and a systemd unit. To try it without root, give "
     "--root DIR, a directory standing for / (nothing outside it is touched, no user is created)"
 )
-NO_FORM = (
-    "the form `server init` shows in a terminal is not built yet: give the administrator's email with "
-    "--admin EMAIL, and --plain (`sudo llmgw server init --admin you@example.com --plain`)"
-)
 
 
 @app.command("init")
@@ -66,18 +62,27 @@ def init(
     no_node: bool = typer.Option(False, "--no-node", help="Do not make this machine a node."),
     no_model: bool = typer.Option(False, "--no-model", help="Do not fetch and serve the starter model."),
     plain: bool = typer.Option(False, "--plain", help="One line per step, even in a terminal."),
+    llamacpp_archive: Path = typer.Option(
+        None,
+        "--llamacpp-archive",
+        help="A llama.cpp release archive (.tar.gz or .zip holding llama-server) for the mirror to offer nodes, "
+        "when GitHub's releases cannot be reached from here.",
+    ),
+    store: str = typer.Option(
+        None, "--store", help="A PostgreSQL DSN for the store (postgresql://user@host/db); default SQLite here."
+    ),
     root: Path = typer.Option(None, "--root", hidden=True, help="A directory standing for / (tests, trials)."),
 ) -> None:
     """Make this machine a control plane: user, authority, certificate, server.yaml, store and administrator,
-    admin token, unit. Every step looks before it acts: a rerun finishes an interrupted one and changes
-    nothing on a finished one."""
+    admin token, unit, a mirror beside it holding llama.cpp, this machine as a node, the starter model.
+    Every step looks before it acts: a rerun finishes an interrupted one and changes nothing on a finished one."""
     from llmgw.init import InitError
     from llmgw.init.machine import Machine, machine_addresses, own_binary
     from llmgw.init.run import Options, server_init
+    from llmgw.progress import PlainSteps
 
-    if admin is None:
-        if sys.stdin.isatty() and sys.stdout.isatty() and not plain:
-            fail(NO_FORM)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty() and not plain
+    if admin is None and not interactive:
         fail("--admin EMAIL is required without a terminal: the administrator's account is made for it")
     is_root = os.geteuid() == 0
     if root is None and not is_root:
@@ -90,15 +95,29 @@ def init(
         give_files=real and is_root,
     )
     opts = Options(
-        admin=admin,
+        admin=admin or "",
         hosts=list(host or []),
         mirror_url=mirror,
         no_mirror=no_mirror,
         no_node=no_node,
         no_model=no_model,
         manage_user=real and is_root,
+        llamacpp_archive=str(llamacpp_archive) if llamacpp_archive else None,
+        store=store,
     )
+    if admin is None:
+        from llmgw.cli.screens import init_form
+
+        answers = init_form(names=m.names, addresses=m.addresses, opts=opts)
+        if answers is None:
+            fail("server init cancelled: nothing was changed")
+        opts = answers
     try:
-        server_init(m, opts, emit=lambda line: typer.echo(line))
+        if interactive:
+            from llmgw.cli.screens import run_steps
+
+            run_steps(lambda steps: server_init(m, opts, steps), title="llmgw server init")
+        else:
+            server_init(m, opts, PlainSteps(typer.echo))
     except InitError as exc:
         fail(f"{exc}\nEvery step before this one is done; run init again once it is fixed.")

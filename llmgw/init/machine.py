@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.admin_api import AdminAPI
 from llmgw.units import UNITS_DIR
 
 USER = "llmgw"
@@ -114,6 +115,10 @@ class Machine:
     give_files: bool = False
     health: Callable[[str], bool] = health_ok
     health_timeout: float = 60.0
+    # The control plane's admin API at a URL with a token (tests give a fake).
+    admin: Callable[[str, str | None], AdminAPI] = AdminAPI
+    node_timeout: float = 600.0  # a node registering and installing llama.cpp from the mirror
+    model_timeout: float = 1800.0  # the starter model fetched by the node and started
 
     def path(self, absolute: str) -> Path:
         return self.root / absolute.lstrip("/")

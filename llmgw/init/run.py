@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmgw.init import InitError, steps
+from llmgw.init import InitError, cluster
+from llmgw.init import steps as do
 from llmgw.init.machine import Machine
+from llmgw.init.plan import mirror_plan
 from llmgw.init.steps import Done
+from llmgw.progress import PlainSteps, Status, Steps
 
 
 @dataclass
@@ -18,6 +21,10 @@ class Options:
     no_mirror: bool = False
     no_node: bool = False
     no_model: bool = False
+    # A llama.cpp release archive (or llama-server built from source, packed as one) given by the
+    # operator: what the mirror offers nodes when GitHub's releases cannot be reached.
+    llamacpp_archive: str | None = None
+    store: str | None = None  # a PostgreSQL DSN for auth.store; None: SQLite in /var/lib/llmgw
     manage_user: bool = True
     stop_after: int | None = None  # the last step to run (an interrupted run, in tests)
 
@@ -42,74 +49,106 @@ def check_options(opts: Options) -> None:
         raise InitError("--mirror URL and --no-mirror contradict each other; give one")
 
 
-def not_built_lines(opts: Options, binary: str) -> list[str]:
-    """Steps 8-10, which `server init` does not do yet: what the operator does instead today."""
-    lines = []
-    if opts.mirror_url:
-        lines.append(
-            f"mirror: using the mirror at {opts.mirror_url} (mirror.api in server.yaml); copy its API token "
-            "to a file the llmgw user reads and set mirror.token_file"
-        )
-    elif opts.no_mirror:
-        lines.append("mirror: none here (--no-mirror)")
-    else:
-        lines.append(
-            "mirror: not done (running one beside the control plane is not built into init yet); run "
-            f"`sudo {binary} mirror init --control-plane 127.0.0.1` and add the mirror block it prints to server.yaml"
-        )
-    if opts.no_node:
-        lines.append("node: this machine is not a node (--no-node)")
-    else:
-        lines.append(
-            "node: not done (making this machine a node is not built into init yet); issue its certificate "
-            f"with `{binary} ctl cert issue-client NODE`, write /etc/llmgw/agent.yaml and run `{binary} agent`"
-        )
-    if opts.no_model:
-        lines.append("starter model: none (--no-model)")
-    else:
-        lines.append(
-            "starter model: not done (fetching one is not built into init yet); add a model with "
-            f"`{binary} ctl model add`"
-        )
-    return lines
+TITLES = {
+    1: "user and directories",
+    2: "authority",
+    3: "server certificate",
+    4: "server.yaml",
+    5: "store and administrator",
+    6: "admin credential",
+    # The mirror before the server: the server reads the mirror's API token when it starts.
+    7: "mirror",
+    8: "server unit",
+    9: "llama.cpp in the mirror",
+    10: "this machine as a node",
+    11: "starter model",
+}
 
 
-def server_init(m: Machine, opts: Options, emit: Callable[[str], None] = print) -> Report:
-    """Run steps 1-7 (then say what 8-10 do not do yet). Raises InitError at the first step that cannot go on;
-    every step before it is done, and a rerun goes on from there."""
+def server_init(
+    m: Machine, opts: Options, steps: Steps | None = None, emit: Callable[[str], None] | None = None
+) -> Report:
+    """Run the steps in order, each through ``steps`` (plain lines through ``emit`` when not given).
+    Raises InitError at the first step that cannot go on, after reporting it FAILED; every step
+    before it is done, and a rerun goes on from there."""
     check_options(opts)
+    st: Steps = steps if steps is not None else PlainSteps(emit or print)
     rep = Report()
+    current = [0]
+
+    def begin(n: int) -> None:
+        current[0] = n
+        st.begin(str(n), TITLES[n])
 
     def record(n: int, d: Done) -> bool:
         rep.done.append(d)
-        emit(f"{n}. {d.line}")
+        st.end(str(n), Status(d.status), d.line)
         return opts.stop_after is not None and n >= opts.stop_after
 
-    if record(1, steps.user_and_directories(m, manage_user=opts.manage_user)):
-        return rep
-    if record(2, steps.authority(m)):
-        return rep
-    cert = steps.server_certificate(m, opts.hosts)
-    if record(3, cert):
-        return rep
-    steps.ca_beside(m)
-    done, cfg = steps.server_config(m, opts.mirror_url)
-    if record(4, done):
-        return rep
-    done, rep.password = steps.store_and_admin(m, cfg, opts.admin)
-    stop = record(5, done)
-    if rep.password:
-        emit(f"   administrator {opts.admin.strip().lower()}, password: {rep.password}")
-        emit("   (printed only now: keep it; a rerun never resets it)")
-    if stop:
-        return rep
-    if record(6, steps.admin_credential(m, cfg)):
-        return rep
-    restart = cert.status == "changed"
-    if record(7, steps.server_unit(m, cfg, restart=restart)):
-        return rep
-    for i, line in enumerate(not_built_lines(opts, m.binary), start=8):
-        emit(f"{i}. {line}")
-    emit("done." if rep.changed else "done: nothing changed.")
-    emit(f"Back up {m.pki / 'ca-key.pem'}: every node's certificate comes from it.")
+    try:
+        begin(1)
+        if record(1, do.user_and_directories(m, manage_user=opts.manage_user)):
+            return rep
+        begin(2)
+        if record(2, do.authority(m)):
+            return rep
+        begin(3)
+        cert = do.server_certificate(m, opts.hosts)
+        if record(3, cert):
+            return rep
+        do.ca_beside(m)
+        begin(4)
+        plan = mirror_plan(m, opts.hosts, opts.mirror_url, opts.no_mirror)
+        done, cfg = do.server_config(m, plan, opts.store)
+        if record(4, done):
+            return rep
+        begin(5)
+        done, rep.password = do.store_and_admin(m, cfg, opts.admin)
+        stop = record(5, done)
+        if rep.password:
+            st.secret(
+                f"administrator {opts.admin.strip().lower()}, password (printed only now; a rerun never resets it)",
+                rep.password,
+            )
+        if stop:
+            return rep
+        begin(6)
+        if record(6, do.admin_credential(m, cfg)):
+            return rep
+        begin(7)
+        if record(7, cluster.mirror(m, cfg, manage_user=opts.manage_user)):
+            return rep
+        begin(8)
+        if record(8, do.server_unit(m, cfg, restart=cert.status == "changed")):
+            return rep
+        begin(9)
+        done = cluster.llamacpp(
+            m, cfg, st, "9", archive=opts.llamacpp_archive, token=lambda: cluster.mirror_token(m, cfg)
+        )
+        if record(9, done):
+            return rep
+        begin(10)
+        if opts.no_node:
+            done = Done("node", "skipped", "this machine is not a node (--no-node)")
+        else:
+            done = cluster.this_node(m, cfg, st, "10", hosts=opts.hosts)
+        if record(10, done):
+            return rep
+        begin(11)
+        if opts.no_model:
+            done = Done("starter model", "skipped", "none (--no-model)")
+        elif not m.systemd:
+            done = Done("starter model", "skipped", "not added: the control plane is not running here (no systemd)")
+        else:
+            done = cluster.starter_model(m, cfg, st, "11", node_here=not opts.no_node)
+        record(11, done)
+    except InitError as exc:
+        st.end(str(current[0]), Status.FAILED, f"{TITLES[current[0]]}: {exc}")
+        raise
+    st.note("done." if rep.changed else "done: nothing changed.")
+    st.note(f"Add nodes from here: `sudo {m.binary} node add [user@]HOST [more hosts…]` (SSH, with sudo on each).")
+    st.note(
+        f"Back up {m.pki / 'ca-key.pem'} somewhere safe: every node's certificate comes from it "
+        "(keep it here for node add, or move it and give node add --pki DIR)."
+    )
     return rep

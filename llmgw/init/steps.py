@@ -23,6 +23,7 @@ from llmgw.config.server import ADMIN_TOKEN_FILE
 from llmgw.files import write_atomic
 from llmgw.init import InitError
 from llmgw.init.machine import USER, Machine
+from llmgw.init.plan import MirrorPlan
 from llmgw.init.units import SERVER_UNIT, server_unit_text
 from llmgw.pki import (
     CA_CERT,
@@ -209,8 +210,9 @@ def ca_beside(m: Machine) -> None:
 # ------------------------------------------------------------------ 4. server.yaml
 
 
-def config_data(m: Machine, mirror_url: str | None = None) -> dict[str, Any]:
+def config_data(m: Machine, mirror: MirrorPlan | None = None, store: str | None = None) -> dict[str, Any]:
     """What server.yaml holds on a new control plane."""
+    mirror = mirror or MirrorPlan(False, None, None, None, None)
     return {
         "listen": ":8080",
         "admin_listen": "127.0.0.1:9090",
@@ -224,12 +226,14 @@ def config_data(m: Machine, mirror_url: str | None = None) -> dict[str, Any]:
         "control": {"enabled": True},
         "auth": {
             "enabled": True,
-            "store": str(m.var / "llmgw.db"),
+            "store": store or str(m.var / "llmgw.db"),
             "default_rpm": 60,
             "default_tpm": 100000,
             "default_price": {"prompt_per_1k": 0.0005, "completion_per_1k": 0.0015},
         },
-        "mirror": {"api": mirror_url} if mirror_url else None,
+        # Nodes install llama.cpp from the mirror, so they need nothing from the internet.
+        "engines": {"release_url": mirror.release_url} if mirror.release_url else None,
+        "mirror": {"api": mirror.api, "token_file": mirror.token_file} if mirror.api else None,
         "models": [],
     }
 
@@ -242,9 +246,9 @@ _HEADER = """\
 """
 
 
-def server_config(m: Machine, mirror_url: str | None = None) -> tuple[Done, ServerConfig]:
+def server_config(m: Machine, mirror: MirrorPlan | None = None, store: str | None = None) -> tuple[Done, ServerConfig]:
     """server.yaml, written when missing; an existing one is kept and what this run would change is named."""
-    want = config_data(m, mirror_url)
+    want = {k: v for k, v in config_data(m, mirror, store).items() if v is not None}
     if m.config.exists():
         try:
             cfg = load_server_config(m.config)
@@ -254,7 +258,7 @@ def server_config(m: Machine, mirror_url: str | None = None) -> tuple[Done, Serv
             have = yaml.safe_load(m.config.read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError):
             have = {}
-        differs = [k for k in ("mirror",) if have.get(k) != want[k]]
+        differs = [k for k in ("mirror", "engines") if have.get(k) != want.get(k)]
         if not cfg.control.enabled:
             differs.append("control.enabled")
         note = (
@@ -392,14 +396,14 @@ def server_unit(m: Machine, cfg: ServerConfig, *, restart: bool = False) -> Done
     return Done("server unit", "changed" if changed else "kept", "; ".join(steps))
 
 
-def await_health(m: Machine, url: str) -> None:
-    """Until the server answers /health, or m.health_timeout passes (then its journal is the place to look)."""
+def await_health(m: Machine, url: str, unit: str = SERVER_UNIT) -> None:
+    """Until ``url`` answers, or m.health_timeout passes (then the unit's journal is the place to look)."""
     deadline = time.monotonic() + m.health_timeout
     while not m.health(url):
         if time.monotonic() > deadline:
             raise InitError(
-                f"{SERVER_UNIT} started but {url} did not answer within {m.health_timeout:g} s; "
-                f"see `journalctl -u {SERVER_UNIT}`, fix what it says and run init again"
+                f"{unit} started but {url} did not answer within {m.health_timeout:g} s; "
+                f"see `journalctl -u {unit}`, fix what it says and run init again"
             )
         time.sleep(0.5)
 

@@ -138,6 +138,8 @@ def init_mirror(
     binary: str = DEFAULT_BINARY,
     run: Runner = run_command,
     resolve: Resolver = resolve_host,
+    api_listen: str = ":8082",
+    start: bool = True,
 ) -> InitResult:
     """Bring the machine to: user exists, dir exists (owned by it when created), the API
     token beside it (owned by it when made), the unit holds exactly this text, systemd
@@ -190,7 +192,9 @@ def init_mirror(
     else:
         res.unchanged.append(f"the API token {token_file} exists")
 
-    text = unit_text(dir=dir, user=user, base=base, allow=allow, token_file=str(token_file), binary=binary)
+    text = unit_text(
+        dir=dir, user=user, base=base, allow=allow, token_file=str(token_file), binary=binary, api_listen=api_listen
+    )
     unit = Path(unit_path)
     try:
         old = unit.read_text() if unit.exists() else None
@@ -203,9 +207,12 @@ def init_mirror(
         except OSError as exc:
             raise MirrorError(f"cannot write {unit}: {exc.strerror or exc} (run it with sudo)") from None
         res.changed.append(f"{'wrote' if old is None else 'updated'} {unit} (--api-allow {', '.join(allow)})")
-        _must(run, ["systemctl", "daemon-reload"], "reloading systemd")
+        if start:
+            _must(run, ["systemctl", "daemon-reload"], "reloading systemd")
     else:
         res.unchanged.append(f"{unit} is as it should be")
+    if not start:  # systemd is not running here (a trial under a root directory): the unit is written only
+        return res
 
     name = unit.name
     enabled = run(["systemctl", "is-enabled", "--quiet", name])[0] == 0

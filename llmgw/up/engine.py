@@ -10,6 +10,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from llmgw.agent.provision.archive import pack_llama_server
 from llmgw.config.server import DEFAULT_LLAMACPP
 from llmgw.up import UpError
 
@@ -30,12 +31,7 @@ class LocalRelease:
 
     def __init__(self, binary: Path, tag: str = DEFAULT_LLAMACPP) -> None:
         self.tag = tag
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-            tf.add(binary, arcname=f"llama-{tag}/llama-server")
-            for lib in sorted(binary.parent.glob("lib*.so*")):  # a release's shared libraries travel with it
-                tf.add(lib, arcname=f"llama-{tag}/{lib.name}")
-        self.archive = buf.getvalue()
+        self.archive = pack_llama_server(binary, tag)
         empty = io.BytesIO()
         with tarfile.open(fileobj=empty, mode="w:gz") as tf:
             note = b"llmgw up: the given llama-server needs nothing more\n"

@@ -32,8 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "up": LOWER | {"store", "server", "agent", "mirror"},
     # Runs on a node and reuses discovery, the engines' NCCL env and the installer's records.
     "doctor": LOWER | {"agent"},
-    # `server init`: the steps that make a machine a control plane.
-    "init": LOWER | {"store"},
+    # `server init`: the steps that make a machine a control plane; it sets up a mirror beside it, names
+    # llama.cpp archives as agents ask for them, and serves up's starter model (or its tiny one).
+    "init": LOWER | {"store", "agent", "mirror", "up"},
     "cli": LOWER | {"store", "server", "agent", "mirror", "up", "doctor", "init"},
     "testing": LOWER | {"store", "server", "agent", "mirror", "up"},
 }

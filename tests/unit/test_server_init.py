@@ -140,7 +140,15 @@ def test_server_yaml_loads_and_holds_mutual_tls_auth_and_an_enabled_control_plan
     assert cfg.control.enabled and cfg.auth.enabled and cfg.models == []
     assert cfg.agent_tls is not None and cfg.agent_tls.cert == str(m.etc / "server.pem")
     assert cfg.auth.default_price is not None and cfg.auth.default_rpm
-    assert cfg.data_path == str(m.var) and cfg.mirror is None
+    assert cfg.data_path == str(m.var)
+    # The mirror beside it: its API on loopback with its token, llama.cpp offered to nodes from its bytes.
+    assert cfg.mirror is not None and cfg.mirror.api == "http://127.0.0.1:8082"
+    assert cfg.mirror.token_file == str(tmp_path / "srv/models.api-token")
+    assert cfg.engines.release_url == "http://10.0.0.5:8081/llama.cpp"
+    bare = machine(tmp_path / "bare")
+    full_run(bare, no_mirror=True)
+    cfg = load_server_config(bare.config)
+    assert cfg.mirror is None and cfg.engines.release_url is None
 
 
 def test_server_yaml_is_never_overwritten_even_when_the_flags_differ_and_the_output_says_so(tmp_path):
@@ -184,8 +192,9 @@ def test_a_second_run_changes_no_file_and_never_reprints_or_resets_the_password(
     after = snapshot(tmp_path)
     assert after == before  # every file's bytes and mtime
     assert rep.password is None and not any(first.password in line for line in lines)
-    assert lines[-2] == "done: nothing changed."
-    assert [d.status for d in rep.done] == ["kept"] * 7
+    assert "done: nothing changed." in lines
+    # Without systemd the mirror is not running, so llama.cpp is not fetched and no model is added.
+    assert [d.status for d in rep.done] == ["kept"] * 8 + ["skipped", "kept", "skipped"]
 
 
 def test_an_interrupted_run_is_finished_by_a_rerun(tmp_path):
@@ -235,7 +244,7 @@ def test_without_systemd_the_unit_is_written_but_not_started_and_the_output_says
     lines, _ = full_run(m)
     assert (m.units / "llmgw-server.service").exists()
     assert not system.ran("systemctl")
-    line = next(x for x in lines if x.startswith("7."))
+    line = next(x for x in lines if x.startswith("8."))
     assert "not started" in line and "systemctl daemon-reload && systemctl enable --now llmgw-server" in line
 
 
@@ -244,29 +253,32 @@ def test_with_systemd_the_unit_is_started_once_and_health_awaited(tmp_path):
     asked: list[str] = []
     m = machine(tmp_path, system, health=lambda url: asked.append(url) or True)
     (tmp_path / "run/systemd/system").mkdir(parents=True)
-    full_run(m)
+    full_run(m, no_mirror=True, no_node=True, no_model=True)
     assert system.ran("enable") == [["systemctl", "enable", "--now", "llmgw-server.service"]]
     assert asked == ["http://127.0.0.1:9090/health"]
-    lines, _ = full_run(m)
-    assert "it is enabled and running" in next(x for x in lines if x.startswith("7."))
+    lines, _ = full_run(m, no_mirror=True, no_node=True, no_model=True)
+    assert "it is enabled and running" in next(x for x in lines if x.startswith("8."))
     assert len(system.ran("enable")) == 1 and not system.ran("restart")
-    full_run(m, hosts=["cp.internal"])  # a new name: the certificate is reissued and the service restarted
+    full_run(m, hosts=["cp.internal"], no_mirror=True, no_node=True, no_model=True)  # a new name: reissued, restarted
     assert system.ran("restart") == [["systemctl", "restart", "llmgw-server.service"]]
 
 
 def test_a_server_that_never_answers_health_stops_init_with_where_to_look(tmp_path):
     m = machine(tmp_path, health=lambda url: False, health_timeout=0.2)
     (tmp_path / "run/systemd/system").mkdir(parents=True)
+    with pytest.raises(InitError, match="journalctl -u llmgw-mirror"):
+        full_run(m)  # the mirror, started first, is waited for the same way
+    m = machine(tmp_path / "bare", health=lambda url: False, health_timeout=0.2)
+    (tmp_path / "bare/run/systemd/system").mkdir(parents=True)
     with pytest.raises(InitError, match="journalctl -u llmgw-server"):
-        full_run(m)
+        full_run(m, no_mirror=True)
 
 
-def test_steps_not_built_yet_each_say_so_and_what_to_do_instead(tmp_path):
-    lines, _ = full_run(machine(tmp_path))
-    assert [line.split(":")[0] for line in lines[9:12]] == ["8. mirror", "9. node", "10. starter model"]
-    assert "llmgw mirror init" in lines[9] and "llmgw agent" in lines[10] and "ctl model add" in lines[11]
+def test_each_no_flag_skips_its_step_and_says_which_flag(tmp_path):
     lines, _ = full_run(machine(tmp_path), no_mirror=True, no_node=True, no_model=True)
-    assert "(--no-mirror)" in lines[7] and "(--no-node)" in lines[8] and "(--no-model)" in lines[9]
+    by_step = {line.split(".")[0]: line for line in lines if line[:1].isdigit()}
+    assert "(--no-mirror)" in by_step["7"] and "(--no-node)" in by_step["10"] and "(--no-model)" in by_step["11"]
+    assert not (tmp_path / "srv/models").exists() and not (tmp_path / "etc/llmgw/agent.yaml").exists()
 
 
 def test_contradicting_or_bad_options_are_refused_before_anything_is_written(tmp_path):
@@ -305,7 +317,7 @@ def test_the_command_prints_one_line_per_step_into_a_root_prefix(tmp_path, monke
     r = runner.invoke(app, ["server", "init", "--admin", "a@example.com", "--plain", "--root", str(tmp_path)])
     assert r.exit_code == 0, r.output
     numbered = [line.split(".")[0] for line in r.output.splitlines() if line[:1].isdigit()]
-    assert numbered == [str(i) for i in range(1, 11)]
+    assert numbered == [str(i) for i in range(1, 12)]
     assert (tmp_path / "etc/llmgw/server.yaml").exists()
     r = runner.invoke(app, ["server", "init", "--admin", "a@example.com", "--plain", "--root", str(tmp_path)])
     assert r.exit_code == 0 and "nothing changed" in r.output and "password" not in r.output

@@ -263,3 +263,27 @@ def _write_file(src: IO[bytes] | None, target: Path, mode: int) -> None:
     with src, os.fdopen(fd, "wb") as out:
         shutil.copyfileobj(src, out, 1 << 20)
     os.chmod(target, perm)
+
+
+def pack_llama_server(binary: Path, tag: str) -> bytes:
+    """A llama-server built here as a release archive (.tar.gz) of tag ``tag``: what an agent installs
+    like any release. The shared libraries beside it travel with it (a release's do)."""
+    import io
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(binary, arcname=f"llama-{tag}/llama-server")
+        for lib in sorted(binary.parent.glob("lib*.so*")):
+            tf.add(lib, arcname=f"llama-{tag}/{lib.name}")
+    return buf.getvalue()
+
+
+def find_llama_server_in(archive: Path, scratch: Path) -> str:
+    """The path of the llama-server inside a release archive (unpacked into ``scratch`` with the
+    agent's checks); ArchiveError or ProvisionError when it is not one."""
+    names = unpack(archive, scratch)
+    for name in names:
+        p = scratch / name
+        if posixpath.basename(name) == "llama-server" and p.is_file() and os.access(p, os.X_OK):
+            return name
+    raise ProvisionError(f"{archive.name} holds no executable llama-server, so it is not a llama.cpp release archive")

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from llmgw.progress import human_size
 from llmgw.protocol import ProvisionState
 
 from . import llamacpp_source
@@ -184,13 +185,6 @@ def slow_cpu_note(host: HostFacts, flags: tuple[str, ...]) -> str:
     # second and forty, and a VM on QEMU's default CPU model otherwise looks
     # entirely healthy.
     return f'; this CPU lacks {", ".join(missing)}, so it will run several times slower (a VM needs CPU type "host")'
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
-    return f"{n} bytes"
 
 
 class LlamaCppInstaller:
