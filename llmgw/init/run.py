@@ -43,7 +43,7 @@ def check_options(opts: Options) -> None:
     email = opts.admin.strip()
     if "@" not in email or email.startswith("@") or email.endswith("@") or any(c.isspace() for c in email):
         raise InitError(
-            f"--admin {opts.admin!r} is not an email address; give the administrator's, e.g. you@example.com"
+            f"{opts.admin!r} is not an email address; give the administrator's, e.g. you@example.com"
         )
     if opts.mirror_url and opts.no_mirror:
         raise InitError("--mirror URL and --no-mirror contradict each other; give one")

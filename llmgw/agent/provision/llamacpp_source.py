@@ -432,6 +432,9 @@ def vocab_path(name: str = "llama-spm", *, sdist: Path | str | None = None) -> P
 
     Only downloads (or reads ``sdist``) and extracts that one file; no build.
     """
+    bundled = Path(__file__).resolve().parents[2] / "vocab" / vocab_filename(name)
+    if bundled.is_file():  # the frozen binary carries the default one (build/pyinstaller.spec)
+        return bundled
     target = vocab_dir() / vocab_filename(name)
     if target.is_file():
         return target
