@@ -107,3 +107,12 @@ def read_secret_file(path: str | os.PathLike[str]) -> str:
 def write_secret_file(path: str | os.PathLike[str], secret: str) -> None:
     """The secret alone on a line, mode 0600, written atomically."""
     write_atomic(path, (secret + "\n").encode("utf-8"), 0o600)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The file's sha256 as hex, read a megabyte at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -611,6 +611,12 @@ class MirrorConfig(_Block):
                 "mirror's API token (`llmgw mirror init` says where it is, e.g. /srv/models.api-token), "
                 "or tls with a client certificate the mirror accepts"
             )
+        if self.tls is not None and self.api.startswith("http://"):
+            # A client certificate is only presented over TLS: http:// would reach a TLS listener in plain text.
+            raise ValueError(
+                f"tls is set but api is {self.api}: a mirror API that takes a client certificate listens with TLS, "
+                f"so write it as {'https://' + self.api[len('http://') :]}"
+            )
         return self
 
 

@@ -42,7 +42,7 @@ from llmgw.init.plan import (
     primary_address,
 )
 from llmgw.init.steps import Done, await_health
-from llmgw.init.units import AGENT_UNIT, agent_unit_text
+from llmgw.init.units import AGENT_DIRS, AGENT_UNIT, agent_unit_text
 from llmgw.mirror.layout import MirrorError
 from llmgw.mirror.systemd import UNIT_NAME as MIRROR_UNIT
 from llmgw.mirror.systemd import init_mirror
@@ -423,6 +423,8 @@ def this_node(m: Machine, cfg: ServerConfig, steps: Steps, key: str, *, hosts: l
         words.append(f"wrote {path} (dials {server})")
     from llmgw.units import write_unit
 
+    for d in AGENT_DIRS:
+        m.path(d).mkdir(parents=True, exist_ok=True)
     unit = m.units / AGENT_UNIT
     wrote = write_unit(unit, agent_unit_text(binary=m.binary, config=DEFAULT_AGENT_CONFIG_PATH))
     if wrote:

@@ -42,9 +42,7 @@ class Report:
 def check_options(opts: Options) -> None:
     email = opts.admin.strip()
     if "@" not in email or email.startswith("@") or email.endswith("@") or any(c.isspace() for c in email):
-        raise InitError(
-            f"{opts.admin!r} is not an email address; give the administrator's, e.g. you@example.com"
-        )
+        raise InitError(f"{opts.admin!r} is not an email address; give the administrator's, e.g. you@example.com")
     if opts.mirror_url and opts.no_mirror:
         raise InitError("--mirror URL and --no-mirror contradict each other; give one")
 

@@ -30,9 +30,30 @@ def server_unit_text(*, binary: str, config: str, data_dir: str) -> str:
     )
 
 
+# The directories the agent writes, which must exist before it starts (systemd refuses a missing
+# ReadWritePaths): made by whoever installs the unit (server init, node add).
+AGENT_DIRS = (DEFAULT_WEIGHTS_CACHE, DEFAULT_ENGINES_DIR)
+# What the agent writes besides its own directories: it installs engines' OS packages (libgomp1,
+# infiniband-diags, vLLM's runtime) with the machine's package manager. "-": a path this distribution
+# does not have is skipped rather than failing the unit.
+PACKAGE_PATHS = (
+    "/usr",
+    "/etc",
+    "/var/lib/dpkg",
+    "/var/lib/apt",
+    "/var/cache/apt",
+    "-/var/lib/dnf",
+    "-/var/cache/dnf",
+    "-/var/lib/rpm",
+    "/var/log",
+)
+
+
 def agent_unit_text(*, binary: str, config: str = DEFAULT_AGENT_CONFIG_PATH) -> str:
     """The node agent: root (it drives GPUs and installs engines), KillMode=process so engines
-    outlive an agent restart and are adopted, and memlock unlimited for RDMA."""
+    outlive an agent restart and are adopted, and memlock unlimited for RDMA. No ProtectHome:
+    the engines it starts (vLLM, triton, torch) keep their caches under the home directory."""
+    writes = [quote(DEFAULT_WEIGHTS_CACHE), quote(DEFAULT_ENGINES_DIR), "/var/lib/llmgw-agent", "/tmp", *PACKAGE_PATHS]
     return unit_text(
         description="llmgw node agent",
         exec_start=[[binary, "agent", "--config", config]],
@@ -44,7 +65,6 @@ def agent_unit_text(*, binary: str, config: str = DEFAULT_AGENT_CONFIG_PATH) -> 
             "StateDirectory=llmgw-agent",
             "NoNewPrivileges=yes",
             "ProtectSystem=strict",
-            "ProtectHome=true",
-            f"ReadWritePaths={quote(DEFAULT_WEIGHTS_CACHE)} {quote(DEFAULT_ENGINES_DIR)} /var/lib/llmgw-agent",
+            f"ReadWritePaths={' '.join(writes)}",
         ],
     )

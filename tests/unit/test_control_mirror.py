@@ -166,6 +166,13 @@ def test_a_mirror_block_without_a_credential_or_with_an_unreadable_token_is_refu
         MirrorClient(MirrorConfig(api="http://models.internal:8082", token_file=str(exposed)))
 
 
+def test_a_mirror_block_with_a_client_certificate_over_plain_http_is_refused_with_the_https_address():
+    tls = {"ca": "/etc/llmgw/ca.pem", "cert": "/etc/llmgw/cp.pem", "key": "/etc/llmgw/cp-key.pem"}
+    with pytest.raises(ValueError, match="write it as https://models.internal:8082"):
+        MirrorConfig(api="http://models.internal:8082", tls=tls)
+    assert MirrorConfig(api="https://models.internal:8082", tls=tls).tls is not None
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,7 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     # `server init`: the steps that make a machine a control plane; it sets up a mirror beside it, names
     # llama.cpp archives as agents ask for them, and serves up's starter model (or its tiny one).
     "init": LOWER | {"store", "agent", "mirror", "up"},
-    "cli": LOWER | {"store", "server", "agent", "mirror", "up", "doctor", "init"},
+    # `node add` / `node remove --purge`: over SSH, with init's agent.yaml, unit and join wait.
+    "onboard": LOWER | {"init"},
+    "cli": LOWER | {"store", "server", "agent", "mirror", "up", "doctor", "init", "onboard"},
     "testing": LOWER | {"store", "server", "agent", "mirror", "up"},
 }
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
 import os
 import re
 import shutil
@@ -31,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from llmgw.files import replace_durably
+from llmgw.files import replace_durably, sha256_file
 from llmgw.paths import PathRefused, relative_path, resolve_inside
 
 from .status import ProvisionError
@@ -133,14 +132,6 @@ def find_llama_server(explicit: str | None = None) -> Path | None:
 
 
 # ---------------------------------------------------------------- sdist
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_sdist(path: Path, expected: str | None = None) -> None:
