@@ -47,7 +47,10 @@ async def _purge(target: Target, steps: Steps, *, identity: str | None, known_ho
         # stop, then kill what KillMode=process left in the unit's cgroup (the engines)
         await session.run(f"systemctl disable --now {AGENT_UNIT}; systemctl kill --signal=KILL {AGENT_UNIT}")
         await session.must(
-            "rm -rf -- " + " ".join(shlex.quote(p) for p in PURGED) + " && systemctl daemon-reload",
+            "rm -rf -- "
+            + " ".join(shlex.quote(p) for p in PURGED)
+            # the directories node add made, when nothing else is in them
+            + " && { rmdir /etc/llmgw /opt/llmgw 2>/dev/null; true; } && systemctl daemon-reload",
             "removing the agent's files",
         )
         for _, _, command in TRUST:

@@ -8,7 +8,7 @@ doctor there: c's weights directory is full for real (a 1 MB tmpfs), so c is ref
 nothing on it is changed, while b joins over mutual TLS and installs llama.cpp from the mirror. After the
 fix, c joins too. A chat completion through the control plane's gateway from this host with the openai
 SDK; `node add` again on b leaves its engine running (the same pid, adopted); a changed host key is
-refused; `server init` run again changes nothing.
+refused; `node remove --purge` takes the agent off a node; `server init` run again changes nothing.
 """
 
 from __future__ import annotations
@@ -141,6 +141,18 @@ def test_three_empty_machines_become_a_cluster_with_server_init_and_node_add(
     assert rc == 0 and "added: b" in out, out
     after = until(pid_on_b, 120, "tiny-b to be adopted on b")
     assert after == before, (before, after, journal("b", "llmgw-agent"))
+
+    # ---- node remove --purge: refused while a replica is on the node; c (nothing on it) is purged and forgotten
+    rc, out = on_a("llmgw node remove b --purge")
+    assert rc == 1 and "drain it first" in out and "tiny-b" in out, out
+    rc, out = on_a("llmgw node remove c --purge", timeout=300)
+    assert rc == 0 and "removed c" in out, out
+    left = machines.ssh(
+        "c", "ls /etc/llmgw /usr/local/bin/llmgw /opt/llmgw/engines 2>&1; systemctl is-active llmgw-agent", check=False
+    )
+    assert "No such file" in left.stdout and left.stdout.strip().endswith(("inactive", "unknown")), left.stdout
+    rc, out = on_a("llmgw ctl nodes --json")
+    assert "c" not in {n["node_id"] for n in json.loads(out)}, out
 
     # ---- a changed host key is refused before anything is sent
     machines.change_host_key("c")
