@@ -12,7 +12,10 @@ from llmgw.cli.keys import CONFIG_HELP, STORE_HELP, with_store
 if TYPE_CHECKING:  # the store is imported by with_store, when a command runs
     from llmgw.store import Store
 
-app = typer.Typer(help="People: accounts, memberships in the tree, suspension.", no_args_is_help=True)
+app = typer.Typer(
+    help="People: accounts, sign-ups waiting for approval, memberships in the tree, suspension.",
+    no_args_is_help=True,
+)
 
 
 def _where(org: str | None, team: str | None, project: str | None) -> tuple[str, str]:
@@ -40,16 +43,18 @@ def create(
 
 @app.command("list")
 def list_(
+    pending: bool = typer.Option(False, "--pending", help="Only sign-ups waiting for approval."),
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """List people: ID EMAIL STATE ADMIN MEMBER OF SIGNED UP."""
+    """List people: ID EMAIL STATE ADMIN MEMBER OF SIGNED UP (STATE: active, suspended or pending)."""
 
     async def read(s: Store):
         return await s.tree(people=True)
 
     tree = with_store(store, config, read)
+    people = [u for u in tree.users.values() if not pending or u.state == "pending"]
     if as_json:
         import json
 
@@ -69,14 +74,17 @@ def list_(
                             if m.user_id == u.id
                         ],
                     }
-                    for u in tree.users.values()
+                    for u in people
                 ],
                 indent=2,
             )
         )
         return
-    if not tree.users:
-        err.print("no people yet; `llmgw users create EMAIL` adds one")
+    if not people:
+        if pending:
+            err.print("no sign-ups are waiting for approval")
+        else:
+            err.print("no people yet; `llmgw users create EMAIL` adds one")
         return
     from llmgw.store.tenancy import describe_memberships
 
@@ -91,7 +99,7 @@ def list_(
                 describe_memberships(tree, [m for m in tree.memberships if m.user_id == u.id]) or "on their own",
                 f"{u.created_at:%Y-%m-%d}",
             )
-            for u in tree.users.values()
+            for u in people
         ],
     )
 
@@ -135,6 +143,34 @@ def leave(
         err.print(f"revoked key {k.id} ({k.name}, {k.project or '-'})")
 
 
+@app.command("approve")
+def approve(
+    user: str = typer.Argument(..., help="The sign-up: id or email."),
+    project: str = typer.Option(None, "--project", help="Also make them a member of this project (optional)."),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+) -> None:
+    """Approve a sign-up waiting for approval: the account becomes active and can sign in."""
+
+    async def op(s: Store):
+        person = await s.approve(user, project=project)
+        return person, (await s.find("project", project)).path if project is not None else None
+
+    person, path = with_store(store, config, op)
+    typer.echo(f"{person.email} is approved" + (f" and a member of {path}" if path else ""))
+
+
+@app.command("reject")
+def reject(
+    user: str = typer.Argument(..., help="The sign-up: id or email."),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+) -> None:
+    """Reject a sign-up waiting for approval: it is removed (the email may sign up again)."""
+    person = with_store(store, config, lambda s: s.reject(user))
+    typer.echo(f"rejected the sign-up of {person.email} ({person.id})")
+
+
 def _state(user: str, state: str, store: str | None, config: str | None) -> None:
     person = with_store(store, config, lambda s: s.set_user_state(user, state))
     typer.echo(f"{person.email} is {state}")
@@ -146,7 +182,7 @@ def suspend(
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
-    """Suspend an account: sign-in and their keys stop working until reinstated."""
+    """Suspend an account: signs them out; sign-in and their keys stop working until reinstated."""
     _state(user, "suspended", store, config)
 
 
@@ -167,7 +203,7 @@ def delete(
     store: str = typer.Option(None, "--store", help=STORE_HELP),
     config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
 ) -> None:
-    """Delete an account; their keys are revoked. Usage history keeps their id."""
+    """Delete an account: signs them out and revokes their keys. Usage history keeps their id."""
     if not yes:
         fail(f"deleting {user} revokes their keys; add --yes to do it")
     person, revoked = with_store(store, config, lambda s: s.delete_user(user))

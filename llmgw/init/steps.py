@@ -295,9 +295,13 @@ async def _store_step(store: Store, email: str) -> tuple[list[str], str | None]:
         password = secrets.token_urlsafe(15)
         user = await store.create_user(email, password, admin=True)
         made.append(f"the administrator {email}")
-    elif not user.admin:
-        user = await store.promote(user.id)
-        made.append(f"{email} promoted to administrator (password kept)")
+    else:
+        if user.state == "pending":  # signed up on the pages before init ran: approved, or they could not sign in
+            user = await store.approve(user.id)
+            made.append(f"{email} approved")
+        if not user.admin:
+            user = await store.promote(user.id)
+            made.append(f"{email} promoted to administrator (password kept)")
     tree = await store.tree(people=True)
     if not tree.reaches(user.id, project):
         await store.join(user.id, "project", project.id)

@@ -12,7 +12,20 @@ from .errors import (
     mask_password,
 )
 from .keyrows import hash_secret
-from .records import CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org, Project, Team, Tree, UsageRow, User
+from .records import (
+    CostRow,
+    IssuedKey,
+    KeyRecord,
+    LimitRecord,
+    Membership,
+    Org,
+    Project,
+    SessionRecord,
+    Team,
+    Tree,
+    UsageRow,
+    User,
+)
 from .store import Store
 
 __all__ = [
@@ -29,6 +42,7 @@ __all__ = [
     "NotMember",
     "Org",
     "Project",
+    "SessionRecord",
     "Store",
     "StoreError",
     "Team",

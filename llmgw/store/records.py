@@ -97,9 +97,21 @@ class User:
     id: str
     email: str
     name: str | None
-    state: str  # active | suspended
+    state: str  # active | suspended | pending (signed up, waiting for approval)
     admin: bool
     created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """A signed-in browser. The token that names it is never kept: only its hash."""
+
+    id: str
+    user_id: str
+    csrf: str  # sent back in every form; compared with the session's
+    created_at: datetime
+    last_seen_at: datetime
+    expires_at: datetime
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,7 +164,7 @@ users = Table(
     Column("email", String(320), nullable=False, unique=True),
     Column("name", Text, nullable=True),
     Column("password_hash", Text, nullable=True),  # argon2id
-    Column("state", String(16), nullable=False),  # active | suspended
+    Column("state", String(16), nullable=False),  # active | suspended | pending (a sign-up)
     Column("admin", Boolean, nullable=False),
     Column("created_at", UTCDateTime, nullable=False),
 )
@@ -216,6 +216,20 @@ admin_tokens = Table(
     Column("created_at", UTCDateTime, nullable=False),
     Column("revoked_at", UTCDateTime, nullable=True),
     Column("last_used_at", UTCDateTime, nullable=True),
+)
+
+# Signed-in browsers (0006): the token lives in a cookie, only its sha256 here; the CSRF
+# token is kept as is (it proves a form came from our page, and opens nothing alone).
+browser_sessions = Table(
+    "browser_sessions",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("user_id", String(32), ForeignKey("users.id"), nullable=False, index=True),
+    Column("csrf", String(64), nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("last_seen_at", UTCDateTime, nullable=False),
+    Column("expires_at", UTCDateTime, nullable=False, index=True),
 )
 
 # Every change to keys, the tree, people, memberships or limits runs this in its

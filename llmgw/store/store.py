@@ -1,6 +1,7 @@
 """The store's async API: API keys, usage rows, the keys generation counter and the
 models added to the catalog at run time. The tenancy tree, people, claims and limits
-are in tenancy.py, mixed into Store."""
+are in tenancy.py, admin tokens in admin_tokens.py and browser sessions in sessions.py,
+mixed into Store."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from .schema import (
     store_state,
     usage,
 )
+from .sessions import SessionsMixin
 from .tenancy import TenancyMixin
 
 MIN_MATCH_LEN = 6  # shortest leading part of a prefix revoke_key accepts
@@ -123,7 +125,7 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store(TenancyMixin, AdminTokensMixin):
+class Store(TenancyMixin, AdminTokensMixin, SessionsMixin):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):

@@ -5,7 +5,9 @@ generation so a running gateway rebuilds its principals."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import hashlib
 import json
 import re
@@ -28,6 +30,7 @@ from .records import CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org
 from .schema import (
     BUMP_GENERATION,
     api_keys,
+    browser_sessions,
     key_claims,
     limits,
     memberships,
@@ -46,7 +49,7 @@ MEMBER_SCOPES = {"org": "org-member", "team": "team-member", "project": "project
 BANDS = ("low", "normal", "high")
 PERIODS = ("day", "month")
 ROLES = ("member", "manager")
-USER_STATES = ("active", "suspended")
+USER_STATES = ("active", "suspended", "pending")
 CLAIM_TTL = timedelta(days=7)
 MIN_PASSWORD_LEN = 8
 MAX_NAME_LEN = 200
@@ -57,6 +60,34 @@ _EMAIL = re.compile(r"[^@\s]+@[^@\s]+")
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "UNSET", "__bool__": lambda self: False})()
 
 _hasher = PasswordHasher()
+# Sign-up refusals say the same whether the existing account is active or waiting for
+# approval: the sign-up page must not tell strangers more about who has an account.
+SIGN_UP_TAKEN = "This email cannot sign up: it has an account, or a sign-up waiting for approval."
+
+
+@functools.cache
+def _dummy_hash() -> str:
+    return _hasher.hash(secrets.token_urlsafe(16))
+
+
+async def _password_matches(pw_hash: str | None, password: object) -> bool:
+    """Whether the password matches the argon2 hash. Without a hash, a hash is checked all
+    the same, so a wrong email costs as long as a wrong password and timing tells no one
+    which emails have accounts. In a thread: argon2 takes tens of milliseconds of CPU,
+    which must not stall the event loop serving requests."""
+    if not isinstance(password, str):
+        return False
+    try:
+        matched = await asyncio.to_thread(lambda: _hasher.verify(pw_hash or _dummy_hash(), password))
+    except (VerificationError, InvalidHashError):
+        return False
+    return matched and bool(pw_hash)
+
+
+def _check_password(password: object) -> str:
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD_LEN:
+        raise StoreError(f"A password needs at least {MIN_PASSWORD_LEN} characters.")
+    return password
 
 
 def _new_id(kind: str) -> str:
@@ -353,8 +384,18 @@ class TenancyMixin:
     # -- people --------------------------------------------------------------------
 
     async def create_user(
-        self, email: str, password: str | None = None, name: str | None = None, admin: bool = False
+        self,
+        email: str,
+        password: str | None = None,
+        name: str | None = None,
+        admin: bool = False,
+        pending: bool = False,
     ) -> User:
+        """An account, active unless pending (a sign-up: it signs in only once approved)."""
+        if pending and admin:
+            raise StoreError("A sign-up waiting for approval cannot be an administrator; promote it once approved.")
+        if pending and password is None:
+            raise StoreError("A sign-up needs a password.")
         if not isinstance(email, str) or not _EMAIL.fullmatch(email.strip()) or len(email) > 320:
             raise StoreError(f"{email!r} is not an email address.")
         email = email.strip().lower()
@@ -364,14 +405,12 @@ class TenancyMixin:
                 raise StoreError(f"A person's name is one line of at most {MAX_NAME_LEN} characters.")
         pw_hash = None
         if password is not None:
-            if len(password) < MIN_PASSWORD_LEN:
-                raise StoreError(f"A password needs at least {MIN_PASSWORD_LEN} characters.")
-            pw_hash = _hasher.hash(password)
-        user = User(_new_id("user"), email, name, "active", bool(admin), utcnow())
+            pw_hash = await asyncio.to_thread(_hasher.hash, _check_password(password))
+        user = User(_new_id("user"), email, name, "pending" if pending else "active", bool(admin), utcnow())
         async with self._writer.begin() as conn:
             taken = (await conn.execute(select(users.c.id).where(users.c.email == email))).first()
             if taken:
-                raise StoreError(f"{email} has an account already ({taken.id}).")
+                raise StoreError(SIGN_UP_TAKEN if pending else f"{email} has an account already ({taken.id}).")
             await conn.execute(
                 users.insert().values(
                     id=user.id,
@@ -383,29 +422,60 @@ class TenancyMixin:
                     created_at=user.created_at,
                 )
             )
-            await conn.execute(BUMP_GENERATION)
+            # A sign-up owns no keys and is in no principal: strangers signing up must not
+            # make every gateway reload its keys.
+            if not pending:
+                await conn.execute(BUMP_GENERATION)
         return user
+
+    async def sign_up(self, email: str, password: str, name: str | None = None) -> User:
+        """A pending account, waiting for an administrator's approval. An email that has an
+        account (in any state) is refused with SIGN_UP_TAKEN, which does not say which."""
+        return await self.create_user(email, password, name=name, pending=True)
 
     async def find_user(self, ref: str) -> User:
         async with self._engine.connect() as conn:
             return await _find_user(conn, ref)
 
     async def verify_password(self, email: str, password: str) -> User | None:
-        """The person, when the email and password match an active account."""
-        async with self._engine.connect() as conn:
-            row = (await conn.execute(select(users).where(users.c.email == email.strip().lower()))).first()
-        if row is None or not row.password_hash:
+        """The person, when the email and password match an active account (None for a
+        pending or suspended one, as for a wrong password)."""
+        row = None
+        if isinstance(email, str):
+            async with self._engine.connect() as conn:
+                row = (await conn.execute(select(users).where(users.c.email == email.strip().lower()))).first()
+        if not await _password_matches(row.password_hash if row is not None else None, password):
             return None
-        try:
-            _hasher.verify(row.password_hash, password)
-        except (VerificationError, InvalidHashError):
-            return None
+        assert row is not None  # no row has no hash, which matches nothing
         user = _user(row)
         return user if user.state == "active" else None
 
-    async def list_users(self) -> list[tuple[User, list[Membership]]]:
+    async def check_password(self, user_id: str, password: str) -> bool:
+        """Whether the password is the person's (whatever their state): asked again before
+        a password change."""
+        async with self._engine.connect() as conn:
+            pw_hash = await conn.scalar(select(users.c.password_hash).where(users.c.id == user_id))
+        return await _password_matches(pw_hash, password)
+
+    async def set_password(self, user_id: str, new_password: str) -> None:
+        """Replace a person's password. Their sessions stay: end_sessions(user_id,
+        except_token=...) signs the other browsers out."""
+        pw_hash = await asyncio.to_thread(_hasher.hash, _check_password(new_password))
+        async with self._writer.begin() as conn:
+            person = await _find_user(conn, user_id)
+            await conn.execute(update(users).where(users.c.id == person.id).values(password_hash=pw_hash))
+
+    async def list_users(self, state: str | None = None) -> list[tuple[User, list[Membership]]]:
+        """People by email with their memberships; with state, only those in it ("pending":
+        the sign-ups waiting for approval)."""
+        if state is not None and state not in USER_STATES:
+            raise StoreError(f'A person is {", ".join(USER_STATES)}, not "{state}".')
         tree = await self.tree(people=True)
-        return [(u, [m for m in tree.memberships if m.user_id == u.id]) for u in tree.users.values()]
+        return [
+            (u, [m for m in tree.memberships if m.user_id == u.id])
+            for u in tree.users.values()
+            if state is None or u.state == state
+        ]
 
     async def join(self, user: str, kind: str, ref: str, role: str = "member") -> tuple[User, Membership, str]:
         """Make a person a member (or an organization's manager); returns the path joined."""
@@ -471,14 +541,66 @@ class TenancyMixin:
         return [replace(k, revoked_at=now) for k in gone]
 
     async def set_user_state(self, user: str, state: str) -> User:
-        """Suspend (their keys stop working, none is revoked) or reinstate a person."""
-        if state not in USER_STATES:
-            raise StoreError(f'A person is active or suspended, not "{state}".')
+        """Suspend (signed out everywhere; their keys stop working, none is revoked) or
+        reinstate a person. A sign-up is approved or rejected instead."""
+        if state not in ("active", "suspended"):
+            raise StoreError(
+                f'A person is made active or suspended, not "{state}"; an account is pending only from signing up.'
+            )
         async with self._writer.begin() as conn:
             person = await _find_user(conn, user)
+            if person.state == "pending":
+                raise StoreError(
+                    f"{person.email} is a sign-up waiting for approval; approve it (`llmgw users approve`) or reject it."
+                )
             await conn.execute(update(users).where(users.c.id == person.id).values(state=state))
+            if state == "suspended":
+                await conn.execute(delete(browser_sessions).where(browser_sessions.c.user_id == person.id))
             await conn.execute(BUMP_GENERATION)
         return replace(person, state=state)
+
+    async def approve(self, user: str, project: str | None = None) -> User:
+        """Turn a pending sign-up into an active account that can sign in; with project,
+        make them a member of it in the same transaction."""
+        async with self._writer.begin() as conn:
+            person = await _find_user(conn, user)
+            if person.state != "pending":
+                raise StoreError(f"{person.email} is {person.state}, not a sign-up waiting for approval.")
+            if project is not None:
+                node = _find(await _load_tree(conn), "project", project)
+                await conn.execute(
+                    delete(memberships).where(
+                        memberships.c.user_id == person.id,
+                        memberships.c.scope == "project",
+                        memberships.c.scope_id == node.id,
+                    )
+                )
+                await conn.execute(
+                    memberships.insert().values(
+                        user_id=person.id, scope="project", scope_id=node.id, role="member", created_at=utcnow()
+                    )
+                )
+            await conn.execute(update(users).where(users.c.id == person.id).values(state="active"))
+            await conn.execute(BUMP_GENERATION)
+        return replace(person, state="active")
+
+    async def reject(self, user: str) -> User:
+        """Remove a sign-up waiting for approval (it may sign up again). Accounts that were
+        ever approved are suspended or deleted instead."""
+        async with self._writer.begin() as conn:
+            person = await _find_user(conn, user)
+            if person.state != "pending":
+                raise StoreError(
+                    f"{person.email} is {person.state}: only a sign-up waiting for approval is rejected; "
+                    "suspend or delete an account."
+                )
+            # An administrator may have joined or limited the sign-up already; a pending
+            # account never had keys (issue_key refuses it) or sessions.
+            await conn.execute(delete(memberships).where(memberships.c.user_id == person.id))
+            await conn.execute(delete(limits).where(limits.c.scope == "user", limits.c.scope_id == person.id))
+            await conn.execute(delete(users).where(users.c.id == person.id))
+            await conn.execute(BUMP_GENERATION)
+        return person
 
     async def promote(self, user: str) -> User:
         """Give a person the administrator pages."""
@@ -489,11 +611,12 @@ class TenancyMixin:
         return replace(person, admin=True)
 
     async def delete_user(self, user: str) -> tuple[User, list[KeyRecord]]:
-        """Remove a person: their keys are revoked, memberships and own limits go.
-        Usage rows keep their id."""
+        """Remove a person: signed out everywhere, their keys revoked, memberships and own
+        limits gone. Usage rows keep their id."""
         async with self._writer.begin() as conn:
             person = await _find_user(conn, user)
             revoked = await self._revoke_owned(conn, person.id, lambda k: True)
+            await conn.execute(delete(browser_sessions).where(browser_sessions.c.user_id == person.id))
             await conn.execute(delete(memberships).where(memberships.c.user_id == person.id))
             await conn.execute(delete(limits).where(limits.c.scope == "user", limits.c.scope_id == person.id))
             await conn.execute(delete(users).where(users.c.id == person.id))
@@ -529,7 +652,8 @@ class TenancyMixin:
             tree = await _load_tree(conn, people=True)
             person = await _find_user(conn, owner) if owner is not None else None
             if person is not None and person.state != "active":
-                raise StoreError(f"{person.email} is suspended; `llmgw users reinstate` first.")
+                fix = "`llmgw users approve`" if person.state == "pending" else "`llmgw users reinstate`"
+                raise StoreError(f"{person.email} is {person.state}; {fix} first.")
             proj = None
             if project is not None and str(project).strip():
                 proj = _find(tree, "project", project)

@@ -62,6 +62,8 @@ def test_every_tenancy_command_has_help():
         ("users", "reinstate"),
         ("users", "delete"),
         ("users", "promote"),
+        ("users", "approve"),
+        ("users", "reject"),
         ("keys", "limits"),
     ]:
         r = runner.invoke(app, [*args, "--help"])
@@ -169,6 +171,53 @@ def test_users_and_keys_in_the_tree(db):
     refused(db, "users", "delete", "ann@example.com", match="--yes")
     assert "key(s) revoked" in ok(db, "users", "delete", "ann@example.com", "--yes").stdout
     refused(db, "users", "join", "ann@example.com", "--org", "Acme", match="No person")
+
+
+def _sign_up(db, email):
+    async def go():
+        async with await Store.open(db) as s:
+            return (await s.sign_up(email, "correct horse")).id
+
+    return asyncio.run(go())
+
+
+def test_users_approve_and_reject_sign_ups_and_list_pending_shows_only_them(db):
+    ok(db, "org", "add", "org", "Acme")
+    ok(db, "org", "add", "team", "platform", "--in", "Acme")
+    ok(db, "org", "add", "project", "gateway", "--in", "Acme/platform")
+    ok(db, "users", "create", "ann@example.com", "--password", "correct horse")
+    assert "no sign-ups are waiting for approval" in ok(db, "users", "list", "--pending").stderr
+    new = _sign_up(db, "new@example.com")
+    _sign_up(db, "spam@example.com")
+    out = ok(db, "users", "list").stdout
+    header, *rows = out.splitlines()
+    assert header.split()[:4] == ["ID", "EMAIL", "STATE", "ADMIN"]
+    states = {r.split()[1]: r.split()[2] for r in rows}
+    assert states == {"ann@example.com": "active", "new@example.com": "pending", "spam@example.com": "pending"}
+    pending = ok(db, "users", "list", "--pending").stdout
+    assert "new@example.com" in pending and "spam@example.com" in pending and "ann@example.com" not in pending
+    import json
+
+    listed = json.loads(ok(db, "users", "list", "--pending", "--json").stdout)
+    assert [(p["email"], p["state"]) for p in listed] == [
+        ("new@example.com", "pending"),
+        ("spam@example.com", "pending"),
+    ]
+    refused(db, "users", "approve", "ann@example.com", match="ann@example.com is active, not a sign-up waiting")
+    refused(db, "users", "approve", new, "--project", "nope", match='No project is named "nope"')
+    refused(db, "users", "reject", "ann@example.com", match="only a sign-up waiting for approval is rejected")
+    refused(db, "users", "suspend", new, match="waiting for approval; approve it")
+    refused(db, "users", "approve", "nobody@example.com", match="No person")
+    assert (
+        ok(db, "users", "approve", new, "--project", "gateway").stdout
+        == "new@example.com is approved and a member of Acme/platform/gateway\n"
+    )
+    assert "Acme/platform/gateway" in ok(db, "users", "list").stdout
+    r = ok(db, "users", "reject", "spam@example.com")
+    assert re.fullmatch(r"rejected the sign-up of spam@example\.com \(usr-[0-9a-f]{10}\)\n", r.stdout)
+    assert "no sign-ups are waiting for approval" in ok(db, "users", "list", "--pending").stderr
+    assert "spam@example.com" not in ok(db, "users", "list").stdout
+    assert ok(db, "users", "approve", _sign_up(db, "plain@example.com")).stdout == "plain@example.com is approved\n"
 
 
 def test_personal_key_and_project_choice(db):

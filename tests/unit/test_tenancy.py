@@ -13,6 +13,7 @@ from llmgw.server.gateway.auth import AuthError, KeyCache, build_principal
 from llmgw.server.gateway.principal import Pool
 from llmgw.store import Ambiguous, NotFound, NotMember, Store, StoreError, UsageRow
 from llmgw.store.schema import key_claims, limits
+from llmgw.store.tenancy import SIGN_UP_TAKEN
 from llmgw.testing.waiting import async_until
 
 UTC = UTC
@@ -137,6 +138,100 @@ async def test_users_create_verify_state(store):
         await store.set_user_state(u.id, "gone")
     assert (await store.promote("ann@example.com")).admin
     assert (await store.find_user(u.id)).admin
+
+
+async def test_a_sign_up_is_pending_and_signs_in_only_once_approved(store):
+    _org, _team, proj = await _acme(store)
+    gen = await store.keys_generation()
+    u = await store.sign_up("New@Example.com", "correct horse", name="New")
+    assert (u.email, u.state, u.admin) == ("new@example.com", "pending", False)
+    # Strangers signing up do not make gateways reload their keys.
+    assert await store.keys_generation() == gen
+    async with store.engine.connect() as conn:
+        (h,) = (await conn.execute(text("SELECT password_hash FROM users"))).one()
+    assert h.startswith("$argon2")
+    assert await store.verify_password("new@example.com", "correct horse") is None
+    await store.create_user("old@example.com", "password1")
+    assert [p.email for p, _ in await store.list_users(state="pending")] == ["new@example.com"]
+    assert {p.email for p, _ in await store.list_users()} == {"new@example.com", "old@example.com"}
+    with pytest.raises(StoreError, match='not "gone"'):
+        await store.list_users(state="gone")
+    with pytest.raises(StoreError, match="is pending; `llmgw users approve` first"):
+        await store.issue_key("k", project=proj.id, owner=u.id)
+    approved = await store.approve("new@example.com", project="gateway")
+    assert approved.state == "active" and (await store.find_user(u.id)).state == "active"
+    assert (await store.tree(people=True)).reaches(u.id, proj)
+    assert (await store.verify_password("new@example.com", "correct horse")).id == u.id
+    assert await store.list_users(state="pending") == []
+    gen = await store.keys_generation()
+    with pytest.raises(StoreError, match="new@example.com is active, not a sign-up waiting for approval"):
+        await store.approve(u.id)
+    assert await store.keys_generation() == gen
+    # Approving needs no project.
+    v = await store.sign_up("v@example.com", "correct horse")
+    assert (await store.approve(v.id)).state == "active"
+    assert not [m for m in (await store.tree(people=True)).memberships if m.user_id == v.id]
+
+
+async def test_a_sign_up_for_a_taken_email_is_refused_without_saying_whether_it_is_pending(store):
+    await store.create_user("ann@example.com", "correct horse")
+    await store.sign_up("bob@example.com", "correct horse")
+    messages = set()
+    for email in ("ann@example.com", "BOB@example.com"):
+        with pytest.raises(StoreError) as ei:
+            await store.sign_up(email, "another one")
+        messages.add(str(ei.value))
+    assert messages == {SIGN_UP_TAKEN}
+    assert "@" not in SIGN_UP_TAKEN and "usr-" not in SIGN_UP_TAKEN
+    assert [u.state for u in (await store.tree(people=True)).users.values()] == ["active", "pending"]
+    with pytest.raises(StoreError, match="needs a password"):
+        await store.create_user("c@example.com", pending=True)
+    with pytest.raises(StoreError, match="at least 8"):
+        await store.sign_up("c@example.com", "short")
+    with pytest.raises(StoreError, match="cannot be an administrator"):
+        await store.create_user("c@example.com", "correct horse", admin=True, pending=True)
+
+
+async def test_reject_removes_only_a_sign_up_waiting_for_approval(store):
+    await _acme(store)
+    u = await store.sign_up("new@example.com", "correct horse")
+    await store.join(u.id, "project", "gateway")
+    await store.set_limits("user", u.id, rpm=5)
+    assert (await store.reject("new@example.com")).id == u.id
+    with pytest.raises(NotFound):
+        await store.find_user(u.id)
+    assert not (await store.tree(people=True)).memberships and await store.get_limits("user", u.id) is None
+    # The email may sign up again.
+    assert (await store.sign_up("new@example.com", "correct horse")).state == "pending"
+    a = await store.create_user("ann@example.com", "correct horse")
+    await store.set_user_state(a.id, "suspended")
+    gen = await store.keys_generation()
+    for who in (a.id, "ann@example.com"):
+        with pytest.raises(StoreError, match="only a sign-up waiting for approval is rejected; suspend or delete"):
+            await store.reject(who)
+    assert await store.keys_generation() == gen and (await store.find_user(a.id)).state == "suspended"
+
+
+async def test_a_sign_up_is_approved_or_rejected_never_suspended_or_reinstated(store):
+    u = await store.sign_up("new@example.com", "correct horse")
+    a = await store.create_user("ann@example.com", "correct horse")
+    for state in ("active", "suspended"):
+        with pytest.raises(StoreError, match="waiting for approval; approve it"):
+            await store.set_user_state(u.id, state)
+    with pytest.raises(StoreError, match="pending only from signing up"):
+        await store.set_user_state(a.id, "pending")
+    assert (await store.find_user(u.id)).state == "pending" and (await store.find_user(a.id)).state == "active"
+
+
+async def test_a_wrong_email_or_a_password_less_account_never_verifies(store):
+    await store.create_user("nopw@example.com")  # made without a password: cannot sign in
+    assert await store.verify_password("nobody@example.com", "correct horse") is None
+    assert await store.verify_password("nopw@example.com", "") is None
+    assert await store.verify_password("nopw@example.com", "correct horse") is None
+    u = await store.find_user("nopw@example.com")
+    assert not await store.check_password(u.id, "correct horse")
+    await store.set_password(u.id, "correct horse")
+    assert (await store.verify_password("nopw@example.com", "correct horse")).id == u.id
 
 
 async def test_memberships_reach_and_leave_revokes(store):
