@@ -412,6 +412,13 @@ class AuthConfig(_Block):
         ge=1,
         description="Tokens per minute for a key no level limits; counted per key, never a shared pool. null: no default.",
     )
+    signup_open: bool = Field(
+        default=False,
+        description="Let anyone create an account at /signup; it waits, pending, until an administrator approves it.",
+    )
+    session_ttl: Duration = Field(
+        default=7 * 86400.0, description="How long a browser stays signed in to the pages without signing in again."
+    )
 
     @field_validator("store")
     @classmethod
@@ -720,6 +727,15 @@ class EnginesConfig(_Block):
         return out
 
 
+class LandingConfig(_Block):
+    """The open page at / for someone without an account."""
+
+    contact: str | None = Field(
+        default=None,
+        description="How to ask for access, shown on / (an email address, a chat channel, a URL); null: not shown.",
+    )
+
+
 class ServerConfig(_Block):
     """server.yaml."""
 
@@ -762,6 +778,7 @@ class ServerConfig(_Block):
     usage: UsageConfig = Field(default_factory=UsageConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     models: list[ModelConfig] = Field(default_factory=list, description="The models served, with their engines.")
+    landing: LandingConfig = Field(default_factory=LandingConfig)
 
     @property
     def data_path(self) -> str:

@@ -37,7 +37,9 @@ from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.gateway.usage import JournalError, UsageRecorder
 from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
 from llmgw.server.metrics import GatewayMetrics
+from llmgw.server.pages.chat import ChatPage
 from llmgw.server.pages.claim import ClaimPage
+from llmgw.server.pages.site import Site
 from llmgw.store import Store
 
 log = logging.getLogger("llmgw.server")
@@ -299,6 +301,9 @@ class Server:
         self.gateway.add_routes(app)
         assert self.store is not None
         ClaimPage(self.store).add_routes(app)
+        self.site = Site(self.store, self.config)
+        ChatPage(self.site, self.gateway).add_routes()
+        self.site.add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         self.apps["listen"] = app

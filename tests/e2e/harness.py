@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 from pathlib import Path
 
@@ -267,11 +265,10 @@ def serve_files(files: dict[str, bytes]) -> tuple[str, callable]:
 
 
 def release_archive(binary: Path, tag: str) -> bytes:
-    """llama-server packed the way llama.cpp's release archives hold it."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        tf.add(binary, arcname=f"llama-{tag}/llama-server")
-    return buf.getvalue()
+    """llama-server packed the way llama.cpp's release archives hold it (the packer server init uses)."""
+    from llmgw.agent.provision.archive import pack_llama_server
+
+    return pack_llama_server(binary, tag)
 
 
 def release_files(binary: Path, tag: str) -> dict[str, bytes]:

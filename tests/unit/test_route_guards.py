@@ -24,6 +24,9 @@ API_KEY = "API key"  # Authorization: Bearer <key>
 CLAIM = "claim token in the URL"  # the link's own random token is the credential
 AGENT = "agent mutual TLS"  # the fleet's client certificate, naming the node (agent_tls)
 NETWORK = "network (metrics only)"  # Prometheus' listener: read-only numbers; firewall it
+PAGE = "open page"  # anyone; the session is read when there is one; a POST needs the form's token
+SESSION = "browser session"  # the session cookie (never an API key); a POST needs the session's CSRF token
+STATIC = "static file"  # the pages' hashed static files: public, read-only
 
 GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "POST", "/v1/chat/completions"): API_KEY,
@@ -34,6 +37,17 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "GET", "/claim/{token}"): CLAIM,
     ("listen", "POST", "/claim/{token}"): CLAIM,
     ("listen", "GET", "/health"): PROBE,
+    ("listen", "GET", "/"): PAGE,
+    ("listen", "GET", "/about"): PAGE,
+    ("listen", "GET", "/login"): PAGE,
+    ("listen", "POST", "/login"): PAGE,
+    ("listen", "GET", "/signup"): PAGE,
+    ("listen", "POST", "/signup"): PAGE,
+    ("listen", "POST", "/logout"): SESSION,
+    ("listen", "GET", "/chat"): SESSION,
+    ("listen", "POST", "/chat/send"): SESSION,
+    ("listen", "POST", "/chat/render"): SESSION,
+    ("listen", "GET", "/static/{name}"): STATIC,
     ("listen", "GET", "/ready"): PROBE,
     ("admin_listen", "GET", "/health"): PROBE,
     ("admin_listen", "GET", "/ready"): PROBE,
@@ -268,3 +282,37 @@ async def test_on_a_tls_admin_listener_a_listed_client_certificate_is_a_credenti
             assert (await http.get(url)).status_code == 200  # a token works over TLS too
     finally:
         await s.stop()
+
+
+PAGE_GUARDS = {PAGE: "open", SESSION: "session"}
+
+
+async def test_every_page_route_carries_the_session_guard_this_table_names(server):
+    app = server.apps["listen"]
+    for route in app.router.routes():
+        guard = GUARDS.get(("listen", route.method, route.resource.canonical))
+        if guard in PAGE_GUARDS:
+            assert getattr(route.handler, "llmgw_guard", None) == PAGE_GUARDS[guard], (route.method, route.resource)
+
+
+async def test_every_session_page_refuses_without_a_session_even_with_an_api_key(server):
+    api_key, _ = await server.store.create_key("client")
+    base = _base(server, "listen")
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
+        for (_, method, path), guard in GUARDS.items():
+            if guard != SESSION:
+                continue
+            r = await http.request(method, base + _concrete(path), data={})
+            if method == "GET":
+                assert r.status_code == 303 and r.headers["location"].startswith("/login"), (method, path)
+            else:
+                assert r.status_code == 401, (method, path, r.status_code)
+
+
+async def test_every_page_form_refuses_a_post_without_its_token(server):
+    base = _base(server, "listen")
+    async with httpx.AsyncClient() as http:
+        for (_, method, path), guard in GUARDS.items():
+            if guard == PAGE and method == "POST":
+                r = await http.post(base + path, data={"email": "a@example.com", "password": "x"})
+                assert r.status_code == 403 and "security token" in r.text, (path, r.status_code)

@@ -7,6 +7,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Protocol
 
 from llmgw.errors import LlmgwError
@@ -93,6 +94,23 @@ def build_principal(key, tree=None, default_rpm: int | None = None, default_tpm:
         pools=tuple(pools),
         models=models,
     )
+
+
+def person_principal(
+    user_id: str, project_id: str | None, tree, default_rpm: int | None = None, default_tpm: int | None = None
+) -> Principal:
+    """A signed-in person spending against one of their projects, or on their own (``project_id`` None):
+    the pools a key of theirs there would have; usage is recorded as ``session:<user id>``."""
+    key = SimpleNamespace(
+        id=f"session:{user_id}",
+        prefix=None,
+        project_id=project_id,
+        project=None,
+        user_id=user_id,
+        band=None,
+        expires_at=None,
+    )
+    return build_principal(key, tree, default_rpm, default_tpm)
 
 
 class AuthError(LlmgwError):

@@ -215,6 +215,11 @@ class Gateway:
         self.router.set_model_strategies({m.name: m.routing for m in models})
         self._models_body, self._model_bodies = self._render_models()
 
+    @property
+    def model_configs(self) -> list[ModelConfig]:
+        """The models served, as configured (the pages list them)."""
+        return list(getattr(self, "_model_configs", ()))
+
     def _render_models(self) -> tuple[bytes, dict[str, bytes]]:
         """GET /v1/models's body, and GET /v1/models/{id}'s for each name: rendered once per change."""
         data = []
@@ -317,6 +322,18 @@ class Gateway:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._too_large(route)
+        return await self._serve(request, route, principal, raw, t0)
+
+    async def serve_as(
+        self, request: web.Request, route: Route, principal: Principal, raw: bytes
+    ) -> web.StreamResponse:
+        """A request the pages make on a signed-in person's behalf (the chat page): the same path as a
+        key's from here on (limits, admission, routing, usage), with the principal the page built."""
+        return await self._serve(request, route, principal, raw, _perf())
+
+    async def _serve(
+        self, request: web.Request, route: Route, principal: Principal, raw: bytes, t0: float
+    ) -> web.StreamResponse:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
