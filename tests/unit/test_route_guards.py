@@ -26,6 +26,7 @@ AGENT = "agent mutual TLS"  # the fleet's client certificate, naming the node (a
 NETWORK = "network (metrics only)"  # Prometheus' listener: read-only numbers; firewall it
 PAGE = "open page"  # anyone; the session is read when there is one; a POST needs the form's token
 SESSION = "browser session"  # the session cookie (never an API key); a POST needs the session's CSRF token
+ADMIN_SESSION = "administrator's session"  # a session of an administrator (403 for others) + CSRF for POST
 STATIC = "static file"  # the pages' hashed static files: public, read-only
 
 GUARDS: dict[tuple[str, str, str], str] = {
@@ -284,7 +285,7 @@ async def test_on_a_tls_admin_listener_a_listed_client_certificate_is_a_credenti
         await s.stop()
 
 
-PAGE_GUARDS = {PAGE: "open", SESSION: "session"}
+PAGE_GUARDS = {PAGE: "open", SESSION: "session", ADMIN_SESSION: "admin"}
 
 
 async def test_every_page_route_carries_the_session_guard_this_table_names(server):
@@ -300,7 +301,7 @@ async def test_every_session_page_refuses_without_a_session_even_with_an_api_key
     base = _base(server, "listen")
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
         for (_, method, path), guard in GUARDS.items():
-            if guard != SESSION:
+            if guard not in (SESSION, ADMIN_SESSION):
                 continue
             r = await http.request(method, base + _concrete(path), data={})
             if method == "GET":
