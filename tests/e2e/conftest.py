@@ -2,6 +2,7 @@ import asyncio
 import importlib.util
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -145,3 +146,22 @@ def pytest_collection_modifyitems(config, items):
             # names its own (the frozen-binary build) keeps it.
             if item.get_closest_marker("slow") and item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium (Debian's, through Playwright); the pages' browser tests use it."""
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        require("Debian's chromium", "chromium is not installed (apt-get install chromium; scripts/test does)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        require("Playwright", "playwright is not installed (pip install -e '.[test]')")
+    with sync_playwright() as p:
+        # --no-sandbox: the tests run as root, where Chromium's sandbox refuses to start.
+        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()

@@ -7,13 +7,12 @@ test's directory)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
-from harness import Gateway, llmgw_cmd, require
+from harness import Gateway, llmgw_cmd
 
 from llmgw.protocol.prometheus import parse_prometheus
 from llmgw.testing.waiting import until
@@ -22,24 +21,6 @@ pytestmark = [pytest.mark.e2e]
 
 PASSWORD = "correct horse battery"
 NARROW = {"width": 390, "height": 844}
-
-
-@pytest.fixture
-def browser():
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        require("Debian's chromium", "chromium is not installed (apt-get install chromium; scripts/test does)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        require("Playwright", "playwright is not installed (pip install -e '.[test]')")
-    with sync_playwright() as p:
-        # --no-sandbox: the tests run as root, where Chromium's sandbox refuses to start.
-        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def _shots(tmp_path: Path) -> Path:
