@@ -37,8 +37,11 @@ from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.gateway.usage import JournalError, UsageRecorder
 from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
 from llmgw.server.metrics import GatewayMetrics
+from llmgw.server.pages.admin_cluster import AdminPages
+from llmgw.server.pages.admin_limits import LimitsPages
 from llmgw.server.pages.chat import ChatPage
 from llmgw.server.pages.claim import ClaimPage
+from llmgw.server.pages.profile import ProfilePage
 from llmgw.server.pages.site import Site
 from llmgw.store import Store
 
@@ -303,6 +306,9 @@ class Server:
         ClaimPage(self.store).add_routes(app)
         self.site = Site(self.store, self.config)
         ChatPage(self.site, self.gateway).add_routes()
+        AdminPages(self.site, self).add_routes()
+        LimitsPages(self.site, self).add_routes()
+        ProfilePage(self.site, self.gateway).add_routes()
         self.site.add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)

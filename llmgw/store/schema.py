@@ -232,6 +232,20 @@ browser_sessions = Table(
     Column("expires_at", UTCDateTime, nullable=False, index=True),
 )
 
+# Every change to limits (0007): who made it (an administrator's email from the pages; null
+# from the CLI) and the level's row before and after, as JSON (null: no row).
+limit_changes = Table(
+    "limit_changes",
+    metadata,
+    Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
+    Column("at", UTCDateTime, nullable=False, index=True),
+    Column("changed_by", Text, nullable=True),
+    Column("scope", String(20), nullable=False),
+    Column("scope_id", String(32), nullable=False),
+    Column("old", Text, nullable=True),
+    Column("new", Text, nullable=True),
+)
+
 # Every change to keys, the tree, people, memberships or limits runs this in its
 # transaction; a server polls the counter and reloads its keys when it moves.
 BUMP_GENERATION = update(store_state).where(store_state.c.name == KEYS_GENERATION).values(value=store_state.c.value + 1)

@@ -27,6 +27,7 @@ from .keyrows import key_from_row as _key
 from .keyrows import new_secret as _new_secret
 from .migrate import WRITE, upgrade_to_head
 from .records import KeyRecord, UsageRow, utcnow
+from .reports import ReportsMixin
 from .schema import (
     BUMP_GENERATION,
     KEYS_GENERATION,
@@ -125,7 +126,7 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store(TenancyMixin, AdminTokensMixin, SessionsMixin):
+class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):

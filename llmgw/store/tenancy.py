@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from .errors import Ambiguous, NotFound, NotMember, StoreError
 from .keyrows import KEY_COLS, PREFIX_LEN, check_key_text, hash_secret, key_from_row, new_secret
 from .records import CostRow, IssuedKey, KeyRecord, LimitRecord, Membership, Org, Project, Team, Tree, User, utcnow
+from .reports import record_limit_change
 from .schema import (
     BUMP_GENERATION,
     api_keys,
@@ -96,15 +97,16 @@ def _new_id(kind: str) -> str:
 
 def _check_name(kind: str, name: object) -> str:
     word = KIND_WORDS.get(kind, kind)
+    a = "An" if word[:1] in "aeiou" else "A"
     if not isinstance(name, str) or not name.strip():
         raise StoreError(f"Give the {word} a name.")
     name = name.strip()
     if "/" in name:
-        raise StoreError(f'A {word} name cannot contain "/" (it separates the parts of a path): {name!r}.')
+        raise StoreError(f'{a} {word} name cannot contain "/" (it separates the parts of a path): {name!r}.')
     if len(name) > MAX_NAME_LEN:
-        raise StoreError(f"A {word} name is at most {MAX_NAME_LEN} characters; {name[:20]!r}… has {len(name)}.")
+        raise StoreError(f"{a} {word} name is at most {MAX_NAME_LEN} characters; {name[:20]!r}… has {len(name)}.")
     if any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise StoreError(f"A {word} name cannot contain control characters: {name!r}.")
+        raise StoreError(f"{a} {word} name cannot contain control characters: {name!r}.")
     if _ID_LIKE.fullmatch(name):
         raise StoreError(f"{name!r} looks like an id; give the {word} a name that does not.")
     return name
@@ -758,9 +760,12 @@ class TenancyMixin:
         models: Any = UNSET,
         band: Any = UNSET,
         clear: bool = False,
+        changed_by: str | None = None,
     ) -> tuple[str, str, LimitRecord | None]:
         """Write the limits actually given on one level (None clears that one), or with
-        clear delete the level's row. Returns (level, scope id, the row now or None)."""
+        clear delete the level's row. Returns (level, scope id, the row now or None).
+        Every change is logged (limit_changes) with changed_by (an administrator's email
+        from the pages; None from the CLI) and the row before it."""
         if scope not in LIMIT_SCOPES:
             raise StoreError(f'--scope is org, team, project, user or key, not "{scope}"')
         if scope == "key" and not (ref or "").strip():
@@ -833,6 +838,7 @@ class TenancyMixin:
                         limits.insert().values(scope=level, scope_id=scope_id, updated_at=utcnow(), **values)
                     )
                     row = _limit((await conn.execute(select(limits).where(*where))).one())
+            await record_limit_change(conn, changed_by, level, scope_id, _limit(old) if old else None, row)
             await conn.execute(BUMP_GENERATION)
         return level, scope_id, row
 

@@ -74,11 +74,17 @@ class Renderer:
 
         visitor = current(request)
         left, right = self.menu.for_visitor(bool(visitor and visitor.user.admin))
+        # The current page: the item whose path is the request's or the longest one above it
+        # (a node's page is under the Cluster page).
+        under = [
+            i.path for i in left + right if request.path == i.path or request.path.startswith(i.path.rstrip("/") + "/")
+        ]
+        current_path = max(under, key=len) if under else ""
         body = self.env.get_template(template).render(
             visitor=visitor,
             menu_left=left if visitor else [],
             menu_right=right if visitor else [],
-            here=request.path,
+            here=current_path,
             csrf=visitor.csrf if visitor else request.get(FORM_CSRF, ""),
             **values,
         )
