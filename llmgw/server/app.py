@@ -39,6 +39,7 @@ from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
 from llmgw.server.metrics import GatewayMetrics
 from llmgw.server.pages.admin_cluster import AdminPages
 from llmgw.server.pages.admin_limits import LimitsPages
+from llmgw.server.pages.admin_mirror import MirrorPages
 from llmgw.server.pages.chat import ChatPage
 from llmgw.server.pages.claim import ClaimPage
 from llmgw.server.pages.profile import ProfilePage
@@ -309,6 +310,7 @@ class Server:
         AdminPages(self.site, self).add_routes()
         LimitsPages(self.site, self).add_routes()
         ProfilePage(self.site, self.gateway).add_routes()
+        MirrorPages(self.site, self).add_routes()
         self.site.add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)

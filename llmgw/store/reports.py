@@ -155,9 +155,12 @@ class ReportsMixin:
                 for r in await conn.execute(q)
             ]
 
-    async def usage_buckets(self, group: str, since: datetime, until: datetime, width: float) -> list[UsageBucket]:
+    async def usage_buckets(
+        self, group: str, since: datetime, until: datetime, width: float, *, org_id: str | None = None
+    ) -> list[UsageBucket]:
         """Requests, tokens and spend from `since` to before `until` in buckets of `width` seconds, per
-        organization, team, project or person (`group`); only buckets that have any are returned."""
+        organization, team, project or person (`group`); only buckets that have any are returned. With
+        `org_id`, only the usage in that organization's projects."""
         column = USAGE_GROUPS.get(group)
         if column is None:
             raise StoreError(f"Usage is grouped by {', '.join(USAGE_GROUPS)}, not {group!r}.")
@@ -181,6 +184,8 @@ class ReportsMixin:
             .where(usage.c.at >= since, usage.c.at < until)
             .group_by(column, bucket)
         )
+        if org_id is not None:
+            q = q.where(usage.c.org_id == org_id)
         async with self._engine.connect() as conn:
             return [
                 UsageBucket(r.group_id, int(r.bucket), int(r.requests), int(r.tokens), int(r.cost))

@@ -428,7 +428,11 @@ async def test_people_approves_a_sign_up_into_a_project_or_on_their_own_and_reje
     dan = await srv.store.sign_up("dan@example.com", PASSWORD)
     async with admin_client(srv) as http:
         page = (await http.get("/admin/users")).text
-        assert page.index("Waiting for approval") < page.index("bob@example.com") < page.index("Organizations")
+        assert (
+            page.index("Waiting for approval")
+            < page.index("bob@example.com")
+            < page.index("Organizations, teams and projects")
+        )
         assert f'<option value="{project.id}">Acme/platform/gateway</option>' in page
         r = await _post(http, "/admin/users/approve", page, user=bob.id, project=project.id, back="/admin/users")
         assert r.status_code == 303 and r.headers["location"] == "/admin/users"

@@ -48,7 +48,16 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "GET", "/chat"): SESSION,
     ("listen", "POST", "/chat/send"): SESSION,
     ("listen", "POST", "/chat/render"): SESSION,
+    ("listen", "POST", "/chat/wake"): SESSION,
+    ("listen", "GET", "/chat/model-status"): SESSION,
     ("listen", "GET", "/static/{name}"): STATIC,
+    # the administrator's Mirror page, mounted with a mirror: block (admin_mirror.py), and /org (org.py)
+    ("listen", "GET", "/admin/mirror"): ADMIN_SESSION,
+    ("listen", "POST", "/admin/mirror/fetch"): ADMIN_SESSION,
+    ("listen", "POST", "/admin/mirror/serve"): ADMIN_SESSION,
+    ("listen", "POST", "/admin/mirror/remove"): ADMIN_SESSION,
+    ("listen", "GET", "/admin/mirror/repo"): ADMIN_SESSION,
+    ("listen", "GET", "/org"): SESSION,
     # the administrator's Cluster, node, node logs and People pages (admin_cluster.py, admin_people.py)
     ("listen", "GET", "/admin"): ADMIN_SESSION,
     ("listen", "GET", "/admin/nodes/{node}"): ADMIN_SESSION,

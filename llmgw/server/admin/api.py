@@ -412,7 +412,7 @@ class AdminAPI:
         return json_reply(got)
 
     async def _api_mirror_fetch(self, request: web.Request) -> web.Response:
-        mirror = self._need_mirror()
+        self._need_mirror()  # no mirror: said before the body is read
         try:
             req = MirrorFetchRequest.model_validate(orjson.loads(await request.read()))
         except (orjson.JSONDecodeError, ValidationError):
@@ -422,6 +422,11 @@ class AdminAPI:
                 '(and optionally "as": FILE NAME, "anyway": true)',
                 "invalid_request",
             )
+        return await self.mirror_fetch(req)
+
+    async def mirror_fetch(self, req: MirrorFetchRequest) -> web.Response:
+        """The fetch itself, as the route and the Mirror page ask it."""
+        mirror = self._need_mirror()
         got = await self._mirror_as(
             mirror.fetch(req.source, req.model, req.version, as_name=req.as_ or None, anyway=req.anyway), MirrorVersion
         )
@@ -438,10 +443,14 @@ class AdminAPI:
         return json_reply(got)
 
     async def _api_mirror_remove(self, request: web.Request) -> web.Response:
-        mirror = self._need_mirror()
         m, v = request.match_info["model"], request.match_info["version"]
+        return await self.mirror_remove(m, v, force=request.query.get("force") in ("1", "true", "yes"))
+
+    async def mirror_remove(self, m: str, v: str, *, force: bool = False) -> web.Response:
+        """Remove a version, refused while a catalog model's source lies in it (unless forced)."""
+        mirror = self._need_mirror()
         users = self._users_of(m, v)
-        if users and request.query.get("force") not in ("1", "true", "yes"):
+        if users and not force:
             return error_response(
                 409,
                 f"{', '.join(users)} still refer(s) to {m}/{v}; retire the catalog entry first "
@@ -455,8 +464,8 @@ class AdminAPI:
 
     async def _api_mirror_serve(self, request: web.Request) -> web.Response:
         """Add a catalog model from a present mirror version in one step."""
-        mirror = self._need_mirror()
-        catalog = self._need_catalog()
+        self._need_mirror()
+        self._need_catalog()
         m, v = request.match_info["model"], request.match_info["version"]
         try:
             req = MirrorServeRequest.model_validate(orjson.loads(await request.read() or b"{}"))
@@ -466,6 +475,12 @@ class AdminAPI:
                 "the body should be a JSON object (name, gpu_class, engine, scaling, description)",
                 "invalid_request",
             )
+        return await self.mirror_serve(m, v, req)
+
+    async def mirror_serve(self, m: str, v: str, req: MirrorServeRequest) -> web.Response:
+        """The catalog model made from a present version, as the route and the Mirror page ask it."""
+        mirror = self._need_mirror()
+        catalog = self._need_catalog()
         listing = await self._mirror_as(mirror.list(), MirrorListing)
         if isinstance(listing, web.Response):
             return listing

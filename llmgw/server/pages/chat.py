@@ -10,20 +10,34 @@ engine's connection, so the engine stops too. When a reply ends the page asks
 ``/chat/render`` for it as HTML: markdown rendered here with raw HTML dropped and
 unsafe links emptied (:mod:`llmgw.server.pages.markdown`). The conversation is
 kept in the browser's storage; the gateway keeps none.
+
+An on-demand model that is not loaded is woken first: ``POST /chat/wake`` does
+what a first request for it does (the gateway's ``touch`` and the reconciler's
+``wait_ready``, here without waiting) and answers at once; the page then polls
+``GET /chat/model-status`` every second, which reads the replica rows `llmgw ctl
+replicas` prints and the model's status `llmgw ctl models` prints: waiting for
+a node (with the reason), downloading (bytes and percent), starting, ready or
+failed. Both answer only for a model the person may use; on a gateway without a
+control plane every model is always loaded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import orjson
 from aiohttp import web
 
+from llmgw.protocol.admin import ReplicaRow
+from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.gateway.auth import person_principal
+from llmgw.server.gateway.principal import Principal
 from llmgw.server.gateway.proxy import Gateway
-from llmgw.server.gateway.request import CHAT
+from llmgw.server.gateway.request import CHAT, ServedModel
+from llmgw.server.pages.admin_format import percent, size
 from llmgw.server.pages.markdown import render_markdown
-from llmgw.server.pages.session import current
+from llmgw.server.pages.session import Visitor, current
 from llmgw.server.pages.site import Site
 from llmgw.store import Tree
 
@@ -51,6 +65,94 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+# -- an on-demand model's loading, from the replica rows -------------------------------------------
+
+READY = "ready"
+WAITING = "waiting for a node"
+DOWNLOADING = "downloading"
+STARTING = "starting"
+FAILED = "failed"
+ALWAYS_LOADED = "models on this gateway are always loaded"
+
+
+@dataclass(frozen=True)
+class Loading:
+    """Where an on-demand model is on its way to serving, as /chat/model-status answers it."""
+
+    model: str
+    state: str  # READY, WAITING, DOWNLOADING, STARTING or FAILED
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    percent: float | None = None
+    reason: str | None = None
+
+    @property
+    def message(self) -> str:
+        """The page's status line."""
+        name = self.model
+        if self.state == READY:
+            return f"{name} is loaded."
+        if self.state == DOWNLOADING:
+            done = size(self.bytes_done)
+            if self.bytes_total:
+                return f"Downloading {name}'s weights: {done} of {size(self.bytes_total)} ({percent(self.percent)})"
+            return f"Downloading {name}'s weights: {done} so far"
+        if self.state == STARTING:
+            return f"Starting the engine for {name}…"
+        if self.state == FAILED:
+            return f"{name} could not be started: {self.reason}"
+        return f"Waiting for a node to run {name}: {self.reason}"
+
+    def body(self) -> dict[str, Any]:
+        return {**asdict(self), "message": self.message}
+
+
+def loading_state(name: str, rows: list[ReplicaRow], status: dict[str, Any], admin: bool) -> Loading:
+    """The model's state from its replica rows (`llmgw ctl replicas`) and its status (`llmgw ctl models`).
+
+    The placement refusal and a failure's words name nodes, memory and engine output: shown as they
+    are to administrators, and to anyone else as a sentence naming the command that shows them, as
+    the gateway's own answer to an API client does."""
+    if any(r.state == "ready" and r.endpoint is not None for r in rows):
+        return Loading(name, READY)
+    live = [r for r in rows if r.state in ("starting", "loading", "ready")]
+    if live:
+        fetching = [s.fetch for r in live for s in r.shards or () if s.fetch is not None]
+        if fetching:
+            done = sum(f.bytes_done or 0 for f in fetching)
+            totals = [f.bytes_total or 0 for f in fetching]
+            total = sum(totals) if all(totals) else None  # unknown while any length is
+            pct = round(min(100.0, 100.0 * done / total), 1) if total else None
+            return Loading(name, DOWNLOADING, done, total, pct)
+        return Loading(name, STARTING)
+    backoff = status.get("backoff")
+    if backoff:
+        when = f"the next try is in {backoff['retry_in_s']:.0f} s"
+        why = backoff.get("last_failure") if admin else None
+        reason = (
+            f"{why}; {when}"
+            if why
+            else f"its engine did not start; {when}, and an operator can see why with llmgw ctl replicas {name}"
+        )
+        return Loading(name, FAILED, reason=reason)
+    problem = status.get("problem")
+    if problem:
+        reason = (
+            problem
+            if admin
+            else f"no node can take it now; an operator can see why with llmgw ctl explain-placement {name}"
+        )
+        return Loading(name, WAITING, reason=reason)
+    if not status.get("target"):
+        failed = next((r for r in rows if r.state == "failed"), None)
+        if failed is not None:
+            why = failed.reason if admin else None
+            reason = why or f"its engine did not start; an operator can see why with llmgw ctl replicas {name}"
+            return Loading(name, FAILED, reason=reason)
+        return Loading(name, WAITING, reason="it is not loaded; sending a message loads it")
+    return Loading(name, WAITING, reason="the control plane is choosing a node for it")
+
+
 class ChatPage:
     def __init__(self, site: Site, gateway: Gateway) -> None:
         self.site = site
@@ -61,6 +163,8 @@ class ChatPage:
         self.site.route("GET", "/chat", "session", self.page)
         self.site.route("POST", "/chat/send", "session", self.send)
         self.site.route("POST", "/chat/render", "session", self.render)
+        self.site.route("POST", "/chat/wake", "session", self.wake)
+        self.site.route("GET", "/chat/model-status", "session", self.model_status)
 
     def models(self, tree: Tree | None = None) -> list[dict[str, object]]:
         """Every model once, under its catalog name; on-demand ones marked; those scaled to nothing left out."""
@@ -117,28 +221,98 @@ class ChatPage:
         except (TypeError, ValueError):
             temperature = 0.7
         temperature = min(2.0, max(0.0, temperature))  # held to 0-2 whatever the page sends
-        tree = await self.site.store.tenancy_snapshot()
-        project = data.get("project") or None
-        if project is not None:
-            proj = tree.projects.get(str(project))
-            if proj is None or not tree.reaches(visitor.user.id, proj):
-                return _error(403, "you do not belong to that project (any more); choose another")
-        principal = person_principal(
-            visitor.user.id,
-            project,
-            tree,
-            self.site.config.auth.default_rpm,
-            self.site.config.auth.default_tpm,
-        )
+        principal = await self._principal(visitor, data.get("project"))
+        if isinstance(principal, web.Response):
+            return principal
+        # The page's ceiling, lowered to the model's max_output (the gateway refuses more than that).
+        served = self.gateway.models.get(model)
+        max_tokens = PAGE_MAX_TOKENS
+        if served is not None and served.max_output is not None:
+            max_tokens = min(max_tokens, served.max_output)
         body = {
             "model": model,
             "messages": turns,
             "temperature": temperature,
-            "max_tokens": PAGE_MAX_TOKENS,  # the gateway lowers it to the model's max_output
+            "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
         return await self.gateway.serve_as(request, CHAT, principal, orjson.dumps(body))
+
+    async def _principal(self, visitor: Visitor, project: object) -> Principal | web.Response:
+        """The person spending against one of their projects (by id), or on their own (empty)."""
+        tree = await self.site.store.tenancy_snapshot()
+        project_id = str(project) if project else None
+        if project_id is not None:
+            proj = tree.projects.get(project_id)
+            if proj is None or not tree.reaches(visitor.user.id, proj):
+                return _error(403, "you do not belong to that project (any more); choose another")
+        return person_principal(
+            visitor.user.id,
+            project_id,
+            tree,
+            self.site.config.auth.default_rpm,
+            self.site.config.auth.default_tpm,
+        )
+
+    async def _usable(self, visitor: Visitor, model: object, project: object) -> ServedModel | web.Response:
+        """A model the page offers (a name or an alias) that the person may use where they spend."""
+        if not isinstance(model, str) or not model:
+            return _error(400, "choose a model")
+        served = self.gateway.models.get(model)
+        if served is None or served.name not in {m["name"] for m in self.models()}:
+            return _error(404, f"no model named {model} is served here; choose one from the list")
+        principal = await self._principal(visitor, project)
+        if isinstance(principal, web.Response):
+            return principal
+        allowed = principal.models
+        if allowed is not None and served.name not in allowed:
+            may = f"you may use: {', '.join(sorted(allowed))}" if allowed else "you may use no models"
+            return _error(403, f"you may not use {served.name} here; {may}")
+        return served
+
+    def _reconciler(self, served: ServedModel) -> Reconciler | None:
+        """The control plane that loads ``served`` on demand; None when it is always loaded."""
+        demand = self.gateway.demand
+        return demand if served.managed and isinstance(demand, Reconciler) else None
+
+    def _loading(self, served: ServedModel, visitor: Visitor) -> Loading:
+        rec = self._reconciler(served)
+        if rec is None:
+            return Loading(served.name, READY, reason=ALWAYS_LOADED)
+        # The rows the admin API answers /api/v1/replicas with, in the wire's shape.
+        rows = [ReplicaRow.model_validate(r) for r in rec.replica_rows(served.name)]
+        return loading_state(served.name, rows, rec.model_status(served.name), visitor.user.admin)
+
+    async def wake(self, request: web.Request) -> web.StreamResponse:
+        """Ask the control plane for the model, as a first request does, and answer at once."""
+        visitor = current(request)
+        assert visitor is not None
+        try:
+            data = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _error(400, "the page sent something that is not JSON; reload it")
+        if not isinstance(data, dict):
+            return _error(400, "the page sent something that is not a model; reload it")
+        served = await self._usable(visitor, data.get("model"), data.get("project"))
+        if isinstance(served, web.Response):
+            return served
+        rec = self._reconciler(served)
+        if rec is not None:
+            # What the gateway does for a request that finds no endpoint (proxy.Gateway._forward):
+            # the request counts as demand, and waiting for it asks the reconciler for a replica
+            # now. The page does not wait here: it polls /chat/model-status.
+            rec.touch(served.name)
+            await rec.wait_ready(served.name, timeout=0)
+        return web.json_response(self._loading(served, visitor).body())
+
+    async def model_status(self, request: web.Request) -> web.StreamResponse:
+        visitor = current(request)
+        assert visitor is not None
+        served = await self._usable(visitor, request.query.get("model"), request.query.get("project"))
+        if isinstance(served, web.Response):
+            return served
+        return web.json_response(self._loading(served, visitor).body())
 
     async def render(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -37,7 +37,7 @@ PAGE_HEADERS = {
 class MenuItem:
     label: str
     path: str
-    who: str  # "everyone" or "admin"
+    who: str  # "everyone", "admin", or "manager" (an organization's managers, and administrators)
 
 
 @dataclass
@@ -49,8 +49,8 @@ class Menu:
     def add(self, label: str, path: str, who: str = "everyone") -> None:
         self.items.append(MenuItem(label, path, who))
 
-    def for_visitor(self, admin: bool) -> tuple[list[MenuItem], list[MenuItem]]:
-        left = [i for i in self.items if i.who == "admin" and admin]
+    def for_visitor(self, admin: bool, manager: bool = False) -> tuple[list[MenuItem], list[MenuItem]]:
+        left = [i for i in self.items if (i.who == "admin" and admin) or (i.who == "manager" and (admin or manager))]
         right = [i for i in self.items if i.who == "everyone"]
         return left, right
 
@@ -73,7 +73,7 @@ class Renderer:
         from llmgw.server.pages.session import FORM_CSRF, SET_COOKIES, current
 
         visitor = current(request)
-        left, right = self.menu.for_visitor(bool(visitor and visitor.user.admin))
+        left, right = self.menu.for_visitor(bool(visitor and visitor.user.admin), bool(visitor and visitor.manages))
         # The current page: the item whose path is the request's or the longest one above it
         # (a node's page is under the Cluster page).
         under = [

@@ -24,9 +24,11 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from aiohttp import web
+from sqlalchemy import select
 
 from llmgw.store import Store
 from llmgw.store.records import User
+from llmgw.store.schema import memberships
 
 SESSION_COOKIE = "llmgw_session"
 FORM_COOKIE = "llmgw_form"  # the CSRF token of forms shown before there is a session
@@ -40,6 +42,7 @@ class Visitor:
     user: User
     csrf: str
     token: str  # the session's own token (from the cookie), to end or rotate it
+    manages: bool = False  # manages an organization: the menu shows them its "manager" items
 
 
 VISITOR = web.RequestKey("llmgw_visitor", Visitor)
@@ -118,7 +121,18 @@ class Sessions:
         if found is None:
             return None
         record, user = found
-        return Visitor(user=user, csrf=record.csrf, token=token)
+        manages = not user.admin and await self._manages(user.id)
+        return Visitor(user=user, csrf=record.csrf, token=token, manages=manages)
+
+    async def _manages(self, user_id: str) -> bool:
+        """Whether the person manages an organization (one indexed lookup; administrators see those items anyway)."""
+        q = (
+            select(memberships.c.scope_id)
+            .where(memberships.c.user_id == user_id, memberships.c.role == "manager")
+            .limit(1)
+        )
+        async with self.store.engine.connect() as conn:
+            return (await conn.scalar(q)) is not None
 
     async def start(self, request: web.Request, user: User) -> None:
         token, _ = await self.store.create_session(user.id, self.ttl)

@@ -1,7 +1,9 @@
 // The chat page: streams a reply from /chat/send, Send becomes Stop, figures under each reply,
 // the conversation kept in this browser's storage. Replies are shown as text while they stream
 // and then as the HTML the server rendered (raw HTML dropped there); nothing a model wrote is
-// ever put into the page as HTML by this script.
+// ever put into the page as HTML by this script. An on-demand model that is not loaded is woken
+// first (/chat/wake), polled every second (/chat/model-status) with its state in the status line,
+// and the message is sent once it serves.
 "use strict";
 (function () {
   const KEY = "llmgw-chat";
@@ -9,7 +11,9 @@
   const form = $("chat");
   if (!form) return;
   const csrf = document.querySelector('meta[name="llmgw-csrf"]').content;
-  const log = $("log"), send = $("send"), status = $("status"), message = $("message");
+  const log = $("log"), send = $("send"), status = $("status"), message = $("message"), bar = $("loading-bar");
+  const POLL_MS = 1000;  // model-status, while a model loads
+  const REWAKE_MS = 30000;  // asked for again this often while waiting, so a long download is not idled out
   let state = load();
   let controller = null;
 
@@ -72,10 +76,83 @@
     note();
   }
 
-  function note() {
-    const opt = $("model").selectedOptions[0];
-    $("model-note").textContent = opt && opt.dataset.onDemand === "yes"
-      ? "This model is not loaded: the first message loads it, which can take a while." : "";
+  function option(model) { return Array.from($("model").options).find((o) => o.value === model); }
+  function onDemand(model) {
+    const opt = option(model);
+    return !!opt && opt.dataset.onDemand === "yes";
+  }
+  // The picker's "(not loaded)" follows what the model-status says.
+  function loaded(model, yes) {
+    const opt = option(model);
+    if (opt) opt.textContent = model + (yes ? "" : " (not loaded)");
+  }
+
+  async function note() {
+    const model = $("model").value;
+    const el = $("model-note");
+    if (!onDemand(model)) { el.textContent = ""; return; }
+    el.textContent = "This model is not loaded: the first message loads it, which can take a while.";
+    try {
+      const st = await loading("/chat/model-status?" + query(model, $("project") ? $("project").value : ""));
+      loaded(model, st.state === "ready");
+      if ($("model").value !== model) return;  // another model was chosen meanwhile
+      if (st.state === "ready") el.textContent = "This model is loaded (on demand: it stops after a while unused).";
+      else if (st.state !== "waiting for a node") el.textContent = st.message;
+    } catch (e) {
+      if ($("model").value === model) el.textContent = e.message;
+    }
+  }
+
+  function query(model, project) { return new URLSearchParams({ model, project: project || "" }).toString(); }
+
+  // /chat/wake and /chat/model-status answer the model's state, or an error with its sentence.
+  async function loading(url, opts) {
+    const r = await fetch(url, opts);
+    let body = null;
+    try { body = await r.json(); } catch (e) { /* said below */ }
+    if (!r.ok || !body || !body.state) {
+      throw new Error(body && body.error ? body.error.message : "the gateway answered " + r.status);
+    }
+    return body;
+  }
+
+  function pause(ms, signal) {
+    return new Promise((resolve, reject) => {
+      const t = setTimeout(resolve, ms);
+      signal.addEventListener("abort", () => { clearTimeout(t); reject(new DOMException("stopped", "AbortError")); },
+        { once: true });
+    });
+  }
+
+  function showLoading(st) {
+    status.textContent = st.message;
+    status.dataset.state = st.state;
+    const downloading = st.state === "downloading" && st.percent != null;
+    bar.hidden = !downloading;
+    if (downloading) bar.value = st.percent;
+  }
+
+  // Wake the model and wait, polling, until it serves; throws its failure (or AbortError on Stop).
+  async function wake(model, project, signal) {
+    const askFor = () => loading("/chat/wake", {
+      method: "POST", signal, headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf },
+      body: JSON.stringify({ model, project: project || null }),
+    });
+    let st = await askFor();
+    let asked = performance.now();
+    try {
+      while (st.state !== "ready") {
+        showLoading(st);
+        if (st.state === "failed") throw new Error(st.message);
+        await pause(POLL_MS, signal);
+        if (performance.now() - asked >= REWAKE_MS) { st = await askFor(); asked = performance.now(); }
+        else st = await loading("/chat/model-status?" + query(model, project), { signal });
+      }
+    } finally {
+      bar.hidden = true;
+      if (st.state !== "failed") delete status.dataset.state;  // a failure stays marked in the status line
+    }
+    if ($("model").value === model) note();
   }
 
   async function ask(text) {
@@ -90,10 +167,15 @@
     save();
     controller = new AbortController();
     send.textContent = "Stop";
-    status.textContent = "waiting for the model…";
-    const t0 = performance.now();
+    delete status.dataset.state;
+    let t0 = performance.now();
     let first = null, usage = null, stopped = false;
     try {
+      if (onDemand(state.model)) {
+        await wake(state.model, state.project, controller.signal);
+        t0 = performance.now();  // the reply's figures count from here, not from the load
+      }
+      status.textContent = "waiting for the model…";
       const r = await fetch("/chat/send", {
         method: "POST", signal: controller.signal,
         headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf },
@@ -170,5 +252,6 @@
   });
   $("new").addEventListener("click", () => { state = { turns: [] }; save(); redraw(); });
   $("model").addEventListener("change", note);
+  if ($("project")) $("project").addEventListener("change", note);
   redraw();
 })();
