@@ -70,6 +70,27 @@ class Refusal:
     message: str
 
 
+def answer(resp: web.Response, shape: type[Shape]) -> Shape | Refusal:
+    """An admin API handler's reply read as ``shape``, or its refusal (status and sentence); the Mirror
+    page reads the API's answers to its forms with this too."""
+    text = resp.text or ""
+    if resp.status >= 300:
+        try:
+            message = str(orjson.loads(text)["error"]["message"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            message = text or f"the admin API answered {resp.status}"
+        return Refusal(resp.status, message)
+    try:
+        return shape.model_validate_json(text)
+    except ValidationError as exc:  # the admin API's own reply: a bug here, said in words
+        return Refusal(500, f"the admin API's reply could not be read: {exc.errors()[0]['msg']}")
+
+
+def fragment(request: web.Request) -> bool:
+    """htmx asks for the part of the page it swaps (the refreshing region), not the whole page."""
+    return request.headers.get("HX-Request") == "true"
+
+
 class AdminReads:
     """The admin API's handlers, called in process: the same rows `llmgw ctl` reads."""
 
@@ -84,17 +105,7 @@ class AdminReads:
             resp = await handler(request)
         except NotControlPlane:
             return None
-        text = resp.text or ""
-        if resp.status != 200:
-            try:
-                message = str(orjson.loads(text)["error"]["message"])
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                message = text or f"the admin API answered {resp.status}"
-            return Refusal(resp.status, message)
-        try:
-            return shape.model_validate_json(text)
-        except ValidationError as exc:  # the admin API's own reply: a bug here, said in words
-            return Refusal(500, f"the admin API's reply could not be read: {exc.errors()[0]['msg']}")
+        return answer(resp, shape)  # these reads answer 200 or an error, never another 2xx
 
     @staticmethod
     def _plain(request: web.Request, path: str) -> web.Request:
@@ -372,11 +383,6 @@ def people(tree: Tree) -> People:
 # -- the pages -------------------------------------------------------------------------------
 
 
-def _fragment(request: web.Request) -> bool:
-    """htmx asks for the part of the page it swaps (the refreshing region), not the whole page."""
-    return request.headers.get("HX-Request") == "true"
-
-
 class AdminPages:
     """The administrator's pages: Cluster and the node pages here, People in admin_people."""
 
@@ -403,7 +409,7 @@ class AdminPages:
         replicas = await self.reads.replicas(request) if control else None
         models = await self.reads.models(request) if control else None
         tree = await self.site.store.tree(people=True)
-        template = "admin_cluster_live.html" if _fragment(request) else "admin_cluster.html"
+        template = "admin_cluster_live.html" if fragment(request) else "admin_cluster.html"
         return self.site.render.page(
             request,
             template,
@@ -450,7 +456,7 @@ class AdminPages:
         replicas = {
             r.id: replica_line(r) for r in await self.reads.replicas(request) or () if r.id in (row.replicas or ())
         }
-        template = "admin_node_live.html" if _fragment(request) else "admin_node.html"
+        template = "admin_node_live.html" if fragment(request) else "admin_node.html"
         return self.site.render.page(
             request,
             template,
@@ -495,7 +501,7 @@ class AdminPages:
             q.update(change)
             return node_href(node_id) + "/logs?" + urlencode({k: v for k, v in q.items() if v})
 
-        if _fragment(request):
+        if fragment(request):
             # htmx swaps only a 2xx answer: a node that stopped answering is said in the part it swaps.
             return self.site.render.page(
                 request,

@@ -63,6 +63,13 @@ def spend(micros: int) -> str:
     return f"{v:,.2f}" if v >= 1 or v == 0 else f"{v:.4f}"
 
 
+def money(micros: int) -> str:
+    """Spend to the cent, or finer where it is under one (the Quotas, Usage, Organization and Account pages)."""
+    if 0 < micros < 10_000:
+        return f"{micros / 1_000_000:,.6f}".rstrip("0")
+    return f"{micros / 1_000_000:,.2f}"
+
+
 def count(n: float | None) -> str:
     return "?" if n is None else f"{n:,.0f}"
 

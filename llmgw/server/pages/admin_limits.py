@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from llmgw.server.gateway.limits import Pricing
-from llmgw.server.pages import PageError
+from llmgw.server.pages import PageError, admin_format
 from llmgw.server.pages.admin_usage import UsagePage
 from llmgw.server.pages.session import current, redirect
 from llmgw.server.pages.site import Site
-from llmgw.store import LimitRecord, Org, Project, StoreError, Team, Tree
+from llmgw.store import LimitRecord, Org, Project, Store, StoreError, Team, Tree
 from llmgw.store.reports import LimitChange, PlaceSpend
 
 if TYPE_CHECKING:
@@ -65,11 +65,6 @@ def money(micros: int) -> str:
     if micros % 10_000 == 0:
         return f"{micros / MICROS:,.2f}"
     return f"{Decimal(micros) / MICROS:,.6f}".rstrip("0")
-
-
-def spent(micros: int) -> str:
-    """Spend to the cent, or finer where it is under one."""
-    return money(micros) if 0 < micros < 10_000 else f"{micros / MICROS:,.2f}"
 
 
 def units(micros: int) -> str:
@@ -350,6 +345,13 @@ def fill_cells(tree: Tree, level: Level) -> None:
         level.cells["band"] = Cell()
 
 
+async def recent_spends(store: Store, now: datetime) -> list[PlaceSpend]:
+    """Spend per place over the last thirty days, today and this month (UTC days and months, as the
+    gateway counts budgets): what fill_spend reads, for this page and the Organization page."""
+    day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    return await store.spend_by_place(now - timedelta(days=RECENT_DAYS), day, day.replace(day=1))
+
+
 def fill_spend(tree: Tree, level: Level, spends: list[PlaceSpend]) -> None:
     """The level's spend: of its budget's period where it has a budget, else of the last thirty days."""
     lim = level.limit
@@ -531,8 +533,7 @@ class LimitsPages:
     ) -> web.Response:
         tree = await self.store.tenancy_snapshot()
         now = datetime.now(UTC)
-        day = now.replace(hour=0, minute=0, second=0, microsecond=0)
-        spends = await self.store.spend_by_place(now - timedelta(days=RECENT_DAYS), day, day.replace(day=1))
+        spends = await recent_spends(self.store, now)
         rows, people = build_levels(tree, [editing] if editing else [])
         keys = {k.id: k for k in await self.store.list_keys()}
         key_rows = [
@@ -574,7 +575,7 @@ class LimitsPages:
             bands=BANDS,
             recent_days=RECENT_DAYS,
             member_refs={lv.ref for lv in rows if lv.scope in MEMBER_OF},
-            money=spent,
+            money=admin_format.money,  # spend to the cent; money() here is a budget as it was set
         )
 
     @staticmethod

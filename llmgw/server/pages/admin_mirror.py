@@ -28,13 +28,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 import httpx
-import orjson
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from llmgw.config.server import DEFAULT_IDLE_TIMEOUT
 from llmgw.gguf import pinned_architectures, pinned_build
@@ -43,6 +41,7 @@ from llmgw.protocol.mirror_api import MirrorFetchRequest, MirrorFile, MirrorList
 from llmgw.server.admin.api import AdminAPI
 from llmgw.server.control.catalog import HF_ENDPOINT
 from llmgw.server.pages import PageError
+from llmgw.server.pages.admin_cluster import Refusal, answer, fragment
 from llmgw.server.pages.admin_format import FMT, duration
 from llmgw.server.pages.org import OrgPage
 from llmgw.server.pages.session import redirect
@@ -76,33 +75,6 @@ SAID = {
     "served": "Added {m} to the catalog; the Cluster page shows its replicas.",
     "removed": "Removed {m}/{v} from the mirror.",
 }
-
-Shape = TypeVar("Shape", bound=BaseModel)
-
-
-# -- what the admin API answered -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Refusal:
-    status: int
-    message: str
-
-
-def answer(resp: web.Response, shape: type[Shape]) -> Shape | Refusal:
-    """An admin API handler's reply read as ``shape``, or its refusal (status and sentence)."""
-    text = resp.text or ""
-    if resp.status >= 300:
-        try:
-            message = str(orjson.loads(text)["error"]["message"])
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            message = text or f"the admin API answered {resp.status}"
-        return Refusal(resp.status, message)
-    try:
-        return shape.model_validate_json(text)
-    except ValidationError as exc:
-        return Refusal(500, f"the admin API's reply could not be read: {exc.errors()[0]['msg']}")
-
 
 # -- the holdings -------------------------------------------------------------------------------
 
@@ -505,7 +477,7 @@ class MirrorPages:
             registry=self.registry,
             build=pinned_build(),
         )
-        template = "admin_mirror_live.html" if request.headers.get("HX-Request") == "true" else "admin_mirror.html"
+        template = "admin_mirror_live.html" if fragment(request) else "admin_mirror.html"
         return self.site.render.page(request, template, status, **values)
 
     async def page(self, request: web.Request) -> web.StreamResponse:

@@ -99,6 +99,14 @@ def _where(form: Form) -> tuple[str, str]:
     return kind, ref
 
 
+def _kind(form: Form, verb: str) -> str:
+    """The form's kind of node (org, team or project), refused in words with what was asked ("Add")."""
+    kind = _text(form, "kind")
+    if kind not in KIND_WORDS:
+        raise Refused(f"{verb} an organization, a team or a project.")
+    return kind
+
+
 def _back(form: Form) -> str:
     """Back to the People page as it was (its search, the open project); never elsewhere."""
     back = local_target(_text(form, "back"), PAGE)
@@ -317,22 +325,16 @@ class PeoplePage:
         return f"Revoked the key {key.name} ({key.prefix}…)."
 
     async def _add(self, request: web.Request, form: Form) -> str:
-        kind = _text(form, "kind")
-        if kind not in KIND_WORDS:
-            raise Refused("Add an organization, a team or a project.")
+        kind = _kind(form, "Add")
         node = await self.store.add(kind, _text(form, "name"), _text(form, "parent") or None)
         return f"Added the {KIND_WORDS[kind]} {node.path}."
 
     async def _rename(self, request: web.Request, form: Form) -> str:
-        kind = _text(form, "kind")
-        if kind not in KIND_WORDS:
-            raise Refused("Rename an organization, a team or a project.")
+        kind = _kind(form, "Rename")
         node = await self.store.rename(kind, _text(form, "id"), _text(form, "name"))
         return f"Renamed the {KIND_WORDS[kind]}: it is {node.path} now."
 
     async def _remove(self, request: web.Request, form: Form) -> str:
-        kind = _text(form, "kind")
-        if kind not in KIND_WORDS:
-            raise Refused("Remove an organization, a team or a project.")
+        kind = _kind(form, "Remove")
         node = await self.store.remove(kind, _text(form, "id"))
         return f"Removed the {KIND_WORDS[kind]} {node.path}."

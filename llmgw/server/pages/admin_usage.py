@@ -15,18 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
+from urllib.parse import urlencode
 
 from aiohttp import web
+from multidict import MultiMapping
 
 from llmgw.server.gateway.limits import Pricing
+from llmgw.server.pages.admin_format import money
 from llmgw.server.pages.site import Site
-from llmgw.store import Tree
+from llmgw.store import Store, Tree
 
 if TYPE_CHECKING:
     from llmgw.server.app import Server
 
 PATH = "/admin/usage"
-MICROS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -55,13 +57,6 @@ DEFAULT_MEASURE = "requests"
 RANKED = 20  # bars in the ranked list
 CHARTS = 8  # groups with a chart of their own
 CHART_H = 60  # the chart's height in SVG units; a bucket is 10 wide
-
-
-def money(micros: int) -> str:
-    """Spend to the cent, or finer where it is under one."""
-    if 0 < micros < 10_000:
-        return f"{micros / MICROS:,.6f}".rstrip("0")
-    return f"{micros / MICROS:,.2f}"
 
 
 def amount(measure: str, value: int) -> str:
@@ -151,6 +146,97 @@ def chart(group: Group, measure: str, window: Window, since: datetime) -> Chart:
     return Chart(group, amount(measure, group.total(measure)), amount(measure, max(values)), len(values) * 10, bars)
 
 
+@dataclass
+class OverTime:
+    """Usage over a window, grouped and counted per time bucket: what the Usage page shows for the whole
+    gateway and the Organization page for one organization (``_macros.html``'s usage macros draw it)."""
+
+    window: Window
+    groups: dict[str, str]  # the groupings the page offers: key -> word
+    by: str
+    measure: str
+    priced: bool
+    since: datetime
+    rows: list[Group]  # every group, most requests first
+    ranked: list[Group]  # every group, most of the measure first
+    totals: Group
+    charts: list[Chart]
+    more_charts: int  # groups with some of the measure but no chart of their own
+    chart_h: int = CHART_H
+
+    @property
+    def windows(self) -> list[Window]:
+        return list(WINDOWS.values())
+
+    @property
+    def measures(self) -> list[str]:
+        return [m for m in MEASURES if self.priced or m != "spend"]
+
+    @property
+    def start(self) -> str:
+        """The charts' first bucket, under their left end."""
+        return _time(self.since, self.window)
+
+
+async def over_time(
+    store: Store,
+    tree: Tree,
+    query: MultiMapping[str],
+    *,
+    priced: bool,
+    groups: dict[str, str],
+    default_window: str,
+    default_group: str,
+    org_id: str | None = None,
+) -> OverTime:
+    """The window, grouping and measure the query asks for (else the page's defaults; spend only where
+    something is priced), and the usage table's buckets for them, in one organization's projects when
+    ``org_id`` is given."""
+    window = WINDOWS.get(query.get("window", ""), WINDOWS[default_window])
+    by = query.get("by", "") if query.get("by", "") in groups else default_group
+    measure = query.get("measure", "") if query.get("measure", "") in MEASURES else DEFAULT_MEASURE
+    if measure == "spend" and not priced:
+        measure = DEFAULT_MEASURE
+    now = datetime.now(UTC)
+    since = now - timedelta(seconds=window.seconds)
+    n = window.seconds // window.bucket
+    found: dict[str | None, Group] = {}
+    for b in await store.usage_buckets(by, since, now, window.bucket, org_id=org_id):
+        g = found.get(b.group_id)
+        if g is None:
+            label, title = group_label(tree, by, b.group_id)
+            g = found[b.group_id] = Group(
+                b.group_id,
+                label,
+                title,
+                series={m: [0] * n for m in MEASURES},
+                is_path=by in ("team", "project"),
+            )
+        i = b.bucket
+        g.requests += b.requests
+        g.tokens += b.tokens
+        g.spend += b.cost_micros
+        g.series["requests"][i] += b.requests
+        g.series["tokens"][i] += b.tokens
+        g.series["spend"][i] += b.cost_micros
+    ranked = sorted(found.values(), key=lambda g: (-g.total(measure), g.label))
+    totals = Group(None, "total", "", sum(g.requests for g in ranked), sum(g.tokens for g in ranked))
+    totals.spend = sum(g.spend for g in ranked)
+    return OverTime(
+        window=window,
+        groups=groups,
+        by=by,
+        measure=measure,
+        priced=priced,
+        since=since,
+        rows=sorted(found.values(), key=lambda g: (-g.requests, g.label)),
+        ranked=ranked,
+        totals=totals,
+        charts=[chart(g, measure, window, since) for g in ranked[:CHARTS] if g.total(measure)],
+        more_charts=max(len([g for g in ranked if g.total(measure)]) - CHARTS, 0),
+    )
+
+
 class UsagePage:
     def __init__(self, site: Site, server: Server) -> None:
         self.site = site
@@ -163,63 +249,31 @@ class UsagePage:
     async def page(self, request: web.Request) -> web.StreamResponse:
         store = self.server.store
         assert store is not None
-        q = request.query
-        window = WINDOWS.get(q.get("window", ""), WINDOWS[DEFAULT_WINDOW])
-        by = q.get("by", "") if q.get("by", "") in GROUPS else DEFAULT_GROUP
-        priced = Pricing.from_config(self.server.config.auth).anything_priced()
-        measure = q.get("measure", "") if q.get("measure", "") in MEASURES else DEFAULT_MEASURE
-        if measure == "spend" and not priced:
-            measure = DEFAULT_MEASURE
-        now = datetime.now(UTC)
-        since = now - timedelta(seconds=window.seconds)
-        n = window.seconds // window.bucket
-        buckets = await store.usage_buckets(by, since, now, window.bucket)
-        tree = await store.tree(people=True)
-        groups: dict[str | None, Group] = {}
-        for b in buckets:
-            g = groups.get(b.group_id)
-            if g is None:
-                label, title = group_label(tree, by, b.group_id)
-                g = groups[b.group_id] = Group(
-                    b.group_id,
-                    label,
-                    title,
-                    series={m: [0] * n for m in MEASURES},
-                    is_path=by in ("team", "project"),
-                )
-            i = b.bucket
-            g.requests += b.requests
-            g.tokens += b.tokens
-            g.spend += b.cost_micros
-            g.series["requests"][i] += b.requests
-            g.series["tokens"][i] += b.tokens
-            g.series["spend"][i] += b.cost_micros
-        ranked = sorted(groups.values(), key=lambda g: (-g.total(measure), g.label))
-        top = ranked[0].total(measure) if ranked else 0
+        u = await over_time(
+            store,
+            await store.tree(people=True),
+            request.query,
+            priced=Pricing.from_config(self.server.config.auth).anything_priced(),
+            groups=GROUPS,
+            default_window=DEFAULT_WINDOW,
+            default_group=DEFAULT_GROUP,
+        )
+        top = u.ranked[0].total(u.measure) if u.ranked else 0
         bars = [
-            (g, amount(measure, g.total(measure)), 100.0 * g.total(measure) / top if top else 0.0)
-            for g in ranked[:RANKED]
+            (g, amount(u.measure, g.total(u.measure)), 100.0 * g.total(u.measure) / top if top else 0.0)
+            for g in u.ranked[:RANKED]
         ]
-        totals = Group(None, "total", "", sum(g.requests for g in ranked), sum(g.tokens for g in ranked))
-        totals.spend = sum(g.spend for g in ranked)
+
+        def link(**change: str) -> str:
+            return PATH + "?" + urlencode({"window": u.window.key, "by": u.by, "measure": u.measure, **change})
+
         return self.site.render.page(
             request,
             "admin_usage.html",
-            windows=list(WINDOWS.values()),
-            window=window,
-            groups=GROUPS,
-            by=by,
-            measures=[m for m in MEASURES if priced or m != "spend"],
-            measure=measure,
-            priced=priced,
-            rows=sorted(groups.values(), key=lambda g: (-g.requests, g.label)),
-            totals=totals,
+            u=u,
             bars=bars,
-            more_bars=max(len(ranked) - RANKED, 0),
-            charts=[chart(g, measure, window, since) for g in ranked[:CHARTS] if g.total(measure)],
-            more_charts=max(len([g for g in ranked if g.total(measure)]) - CHARTS, 0),
-            since=f"{since:%Y-%m-%d %H:%M} UTC",
-            start=_time(since, window),
-            chart_h=CHART_H,
+            more_bars=max(len(u.ranked) - RANKED, 0),
+            since=f"{u.since:%Y-%m-%d %H:%M} UTC",
             money=money,
+            link=link,
         )

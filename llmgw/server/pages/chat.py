@@ -65,6 +65,18 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+async def _posted(request: web.Request, what: str) -> dict[str, Any] | web.Response:
+    """The JSON object the page's script posted (/chat/send, /chat/wake), or the 400 saying it sent
+    something else: ``what`` names what it should have sent."""
+    try:
+        data = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return _error(400, "the page sent something that is not JSON; reload it")
+    if not isinstance(data, dict):
+        return _error(400, f"the page sent something that is not {what}; reload it")
+    return data
+
+
 # -- an on-demand model's loading, from the replica rows -------------------------------------------
 
 READY = "ready"
@@ -192,12 +204,9 @@ class ChatPage:
     async def send(self, request: web.Request) -> web.StreamResponse:
         visitor = current(request)
         assert visitor is not None
-        try:
-            data = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return _error(400, "the page sent something that is not JSON; reload it")
-        if not isinstance(data, dict):
-            return _error(400, "the page sent something that is not a turn; reload it")
+        data = await _posted(request, "a turn")
+        if isinstance(data, web.Response):
+            return data
         model = data.get("model")
         messages = data.get("messages")
         if not isinstance(model, str) or not model:
@@ -288,12 +297,9 @@ class ChatPage:
         """Ask the control plane for the model, as a first request does, and answer at once."""
         visitor = current(request)
         assert visitor is not None
-        try:
-            data = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return _error(400, "the page sent something that is not JSON; reload it")
-        if not isinstance(data, dict):
-            return _error(400, "the page sent something that is not a model; reload it")
+        data = await _posted(request, "a model")
+        if isinstance(data, web.Response):
+            return data
         served = await self._usable(visitor, data.get("model"), data.get("project"))
         if isinstance(served, web.Response):
             return served

@@ -16,15 +16,24 @@ limits, ``Store.spend_by_place`` for spend, ``Store.usage_buckets`` (with ``org_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 from urllib.parse import urlencode
 
 from aiohttp import web
 
 from llmgw.server.gateway.limits import Pricing
-from llmgw.server.pages.admin_limits import MEMBER_OF, RECENT_DAYS, Level, build_levels, fill_cells, fill_spend, spent
-from llmgw.server.pages.admin_usage import CHART_H, MEASURES, WINDOWS, Group, amount, chart, group_label
+from llmgw.server.pages.admin_format import money
+from llmgw.server.pages.admin_limits import (
+    MEMBER_OF,
+    RECENT_DAYS,
+    Level,
+    build_levels,
+    fill_cells,
+    fill_spend,
+    recent_spends,
+)
+from llmgw.server.pages.admin_usage import over_time
 from llmgw.server.pages.session import current
 from llmgw.server.pages.site import Site
 from llmgw.store import Org, Tree, User
@@ -37,8 +46,6 @@ PATH = "/org"
 GROUPS = {"team": "team", "project": "project", "person": "person"}
 DEFAULT_GROUP = "team"
 DEFAULT_WINDOW = "30d"
-DEFAULT_MEASURE = "requests"
-CHARTS = 8
 NOT_A_MANAGER = (
     "This page is for the managers of an organization, and you manage none. An administrator makes a member "
     "an organization's manager on People (the star beside their name)."
@@ -164,41 +171,21 @@ class OrgPage:
             return self.site.refuse(
                 request, 404, "There is no such organization among those you may see here; choose one on /org."
             )
-        window = WINDOWS.get(q.get("window", ""), WINDOWS[DEFAULT_WINDOW])
-        by = q.get("by", "") if q.get("by", "") in GROUPS else DEFAULT_GROUP
+        spends = [s for s in await recent_spends(store, datetime.now(UTC)) if s.org_id == org.id]
         priced = Pricing.from_config(self.server.config.auth).anything_priced()
-        measure = q.get("measure", "") if q.get("measure", "") in MEASURES else DEFAULT_MEASURE
-        if measure == "spend" and not priced:
-            measure = DEFAULT_MEASURE
-        now = datetime.now(UTC)
-        day = now.replace(hour=0, minute=0, second=0, microsecond=0)
-        spends = [
-            s
-            for s in await store.spend_by_place(now - timedelta(days=RECENT_DAYS), day, day.replace(day=1))
-            if s.org_id == org.id
-        ]
-        since = now - timedelta(seconds=window.seconds)
-        n = window.seconds // window.bucket
-        groups: dict[str | None, Group] = {}
-        for b in await store.usage_buckets(by, since, now, window.bucket, org_id=org.id):
-            g = groups.get(b.group_id)
-            if g is None:
-                label, title = group_label(tree, by, b.group_id)
-                g = groups[b.group_id] = Group(
-                    b.group_id, label, title, series={m: [0] * n for m in MEASURES}, is_path=by != "person"
-                )
-            g.requests += b.requests
-            g.tokens += b.tokens
-            g.spend += b.cost_micros
-            g.series["requests"][b.bucket] += b.requests
-            g.series["tokens"][b.bucket] += b.tokens
-            g.series["spend"][b.bucket] += b.cost_micros
-        ranked = sorted(groups.values(), key=lambda g: (-g.total(measure), g.label))
-        totals = Group(None, "total", "", sum(g.requests for g in ranked), sum(g.tokens for g in ranked))
-        totals.spend = sum(g.spend for g in ranked)
+        u = await over_time(
+            store,
+            tree,
+            q,
+            priced=priced,
+            groups=GROUPS,
+            default_window=DEFAULT_WINDOW,
+            default_group=DEFAULT_GROUP,
+            org_id=org.id,
+        )
 
         def link(**change: str) -> str:
-            params = {"org": org.id, "window": window.key, "by": by, "measure": measure, **change}
+            params = {"org": org.id, "window": u.window.key, "by": u.by, "measure": u.measure, **change}
             return PATH + "?" + urlencode(params)
 
         return self.site.render.page(
@@ -210,19 +197,7 @@ class OrgPage:
             members=members(tree, org, spends),
             priced=priced,
             recent_days=RECENT_DAYS,
-            money=spent,
-            windows=list(WINDOWS.values()),
-            window=window,
-            groups=GROUPS,
-            by=by,
-            measures=[m for m in MEASURES if priced or m != "spend"],
-            measure=measure,
-            usage_rows=sorted(groups.values(), key=lambda g: (-g.requests, g.label)),
-            totals=totals,
-            charts=[chart(g, measure, window, since) for g in ranked[:CHARTS] if g.total(measure)],
-            more_charts=max(len([g for g in ranked if g.total(measure)]) - CHARTS, 0),
-            start=f"{since:%H:%M}" if window.seconds <= 86400 else f"{since:%d %b %H:%M}",
-            chart_h=CHART_H,
-            amount=amount,
+            money=money,
+            u=u,
             link=link,
         )

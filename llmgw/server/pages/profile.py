@@ -29,6 +29,7 @@ from sqlalchemy import func, select
 from llmgw.server.gateway.auth import person_principal
 from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.pages import setup_scripts
+from llmgw.server.pages.admin_format import money
 from llmgw.server.pages.chat import ChatPage, Choice, spend_choices
 from llmgw.server.pages.session import VISITOR, Visitor, current
 from llmgw.server.pages.site import MIN_PASSWORD, Site, base_url, client_address
@@ -41,13 +42,6 @@ AMBER_AT = 0.8  # a budget bar turns amber past four-fifths, red when spent
 
 
 # -- formatting ------------------------------------------------------------------------------------------
-
-
-def money(micros: int) -> str:
-    """Whole units with two decimals; a small amount keeps the digits that make it non-zero."""
-    if micros == 0 or abs(micros) >= 10_000:
-        return f"{micros / 1e6:,.2f}"
-    return f"{micros / 1e6:.6f}".rstrip("0")
 
 
 def relative(at: datetime | None, now: datetime) -> str:
