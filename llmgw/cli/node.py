@@ -16,7 +16,7 @@ from llmgw.protocol.admin import NodesReply, Removed
 app = typer.Typer(help="The fleet's nodes.", no_args_is_help=True)
 
 
-def _steps(plain: bool):
+def _plain_steps():
     from llmgw.progress import PlainSteps
 
     return PlainSteps(typer.echo)
@@ -75,7 +75,7 @@ def add(
 
             outcomes = run_steps(lambda steps: add_nodes(opts, steps), title="llmgw node add")
         else:
-            outcomes = add_nodes(opts, _steps(plain))
+            outcomes = add_nodes(opts, _plain_steps())
     except OnboardError as exc:
         fail(str(exc))
     if any(o.error for o in outcomes):
@@ -120,14 +120,14 @@ def remove(
     if where is None:
         fail(f"the control plane does not know {name}'s address; give --host [user@]HOST")
     try:
-        purge_node(Target.parse(where, port), _steps(True), identity=identity)
+        purge_node(Target.parse(where, port), _plain_steps(), identity=identity)
     except OnboardError as exc:
         fail(str(exc))
     # The agent is gone: the node is removable once it is unreachable (control.unreachable_after).
+    from llmgw.admin_api import AdminAPIError, request
+
     deadline = time.monotonic() + 120
     while True:
-        from llmgw.admin_api import AdminAPIError, request
-
         r = None
         for token, _ in admin.tokens or [("", "")]:
             try:

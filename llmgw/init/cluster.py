@@ -49,6 +49,7 @@ from llmgw.mirror.systemd import init_mirror
 from llmgw.pki import CA_CERT, PKIError, common_name, issue_client, load_cert, load_pair, near_end, verify_issued_by
 from llmgw.progress import Steps
 from llmgw.protocol.admin import ModelAddRequest, ModelReply, ModelsReply, NodeRow, NodesReply, ReplicasReply
+from llmgw.units import write_unit
 from llmgw.up.model import (
     STARTER_FILE,
     STARTER_NAME,
@@ -421,8 +422,6 @@ def this_node(m: Machine, cfg: ServerConfig, steps: Steps, key: str, *, hosts: l
     else:
         write_atomic(path, agent_config_text(data, "server init").encode(), 0o644)
         words.append(f"wrote {path} (dials {server})")
-    from llmgw.units import write_unit
-
     for d in AGENT_DIRS:
         m.path(d).mkdir(parents=True, exist_ok=True)
     unit = m.units / AGENT_UNIT
