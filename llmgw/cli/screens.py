@@ -99,21 +99,26 @@ class InitForm(App[Options | None]):
         o = self.opts
         with VerticalScroll(id="form"):
             yield Static("llmgw server init: make this machine a control plane", id="title", markup=False)
-            yield Static("1. The administrator's email (their password is made and shown once)", classes="question")
-            yield Input(o.admin, placeholder="you@example.com", id="admin", compact=True)
+            yield Static(
+                "1. The administrator's email, e.g. you@example.com (their password is made and shown once)",
+                classes="question",
+            )
+            yield Input(o.admin, id="admin", compact=True)
             yield Static("", id="admin-error", classes="error", markup=False)
             yield Static(
                 "2. Other names nodes will reach this machine by (DNS alias, NAT, floating IP), "
-                "separated by commas or spaces",
+                "separated by commas or spaces, e.g. gateway.example.com, 203.0.113.7",
                 classes="question",
             )
             yield Static(self._covered(), id="covered", classes="hint", markup=False)
-            yield Input("", placeholder="gateway.example.com, 203.0.113.7", id="hosts", compact=True)
+            yield Input("", id="hosts", compact=True)
             yield Static("3. The store: accounts, keys and usage", classes="question")
             with RadioSet(id="store", compact=True):
                 yield RadioButton("SQLite, on this machine", value=o.store is None, id="sqlite")
-                yield RadioButton("PostgreSQL", value=o.store is not None, id="postgres")
-            yield Input(o.store or "", placeholder="postgresql://llmgw@db/llmgw", id="dsn", compact=True)
+                yield RadioButton(
+                    "PostgreSQL, e.g. postgresql://llmgw@db/llmgw", value=o.store is not None, id="postgres"
+                )
+            yield Input(o.store or "", id="dsn", compact=True)
             yield Static("", id="dsn-error", classes="error", markup=False)
             yield Static("4. What else runs here", classes="question")
             if o.mirror_url:

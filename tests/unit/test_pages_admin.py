@@ -51,6 +51,9 @@ ADMIN = "root@example.com"
 SCRIPT = "<script>alert(1)</script>"
 
 
+HEARTBEAT_EVERY = 0.2  # seconds between the fake agent's heartbeats
+
+
 class FakeAgent:
     """An agent on the real stream: registers with an inventory, beats, answers logs, takes shards
     (reporting a download under way) and reports a failed install with its next try."""
@@ -61,6 +64,7 @@ class FakeAgent:
         self.started: list[StartShard] = []
         self.logs = {"agent": ["connected to the control plane", f"a line with {SCRIPT}"]}
         self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
 
     async def start(self) -> FakeAgent:
         self.http = aiohttp.ClientSession()
@@ -88,7 +92,8 @@ class FakeAgent:
         return self
 
     async def _beat(self) -> None:
-        while True:
+        # A real agent's heartbeat cadence (agent.yaml heartbeat_interval), shortened; it ends with stop().
+        while not self._stopping.is_set():
             await self.ws.send_bytes(
                 encode(
                     Heartbeat(
@@ -107,7 +112,10 @@ class FakeAgent:
                     )
                 )
             )
-            await asyncio.sleep(0.2)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), HEARTBEAT_EVERY)
+            except TimeoutError:
+                pass
 
     async def _read(self) -> None:
         async for frame in self.ws:
@@ -140,6 +148,7 @@ class FakeAgent:
                 await self.ws.send_bytes(encode(Ack(id=msg.id, ok=True)))
 
     async def stop(self) -> None:
+        self._stopping.set()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
