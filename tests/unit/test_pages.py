@@ -4,6 +4,7 @@ out, the session/API split, CSRF, and the chat page's path through the gateway a
 from __future__ import annotations
 
 import re
+from contextlib import asynccontextmanager
 
 import httpx
 import orjson
@@ -18,29 +19,37 @@ from llmgw.testing.ports import free_port as _port
 PASSWORD = "correct horse battery"
 
 
-@pytest.fixture
-async def served(tmp_path):
+@asynccontextmanager
+async def running(tmp_path, **config):
+    """A real server in this process with one fake engine serving "m"; ``config`` adds to server.yaml."""
     engine = await FakeEngine(model="m", tokens=6).start()
-    cfg = parse_server_config(
-        {
-            "listen": f"127.0.0.1:{_port()}",
-            "admin_listen": f"127.0.0.1:{_port()}",
-            "metrics_listen": None,
-            "agent_listen": f"127.0.0.1:{_port()}",
-            "agent_tls": None,
-            "auth": {"store": str(tmp_path / "gw.db"), "signup_open": True},
-            "landing": {"contact": "ops@example.com"},
-            "data_dir": str(tmp_path),
-            "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
-        }
-    )
-    srv = Server(cfg)
+    cfg = {
+        "listen": f"127.0.0.1:{_port()}",
+        "admin_listen": f"127.0.0.1:{_port()}",
+        "metrics_listen": None,
+        "agent_listen": f"127.0.0.1:{_port()}",
+        "agent_tls": None,
+        "data_dir": str(tmp_path),
+        "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
+        **config,
+    }
+    srv = Server(parse_server_config(cfg))
     await srv.start()
     try:
         yield srv, engine
     finally:
         await srv.stop()
         await engine.stop()
+
+
+@pytest.fixture
+async def served(tmp_path):
+    async with running(
+        tmp_path,
+        auth={"store": str(tmp_path / "gw.db"), "signup_open": True},
+        landing={"contact": "ops@example.com"},
+    ) as got:
+        yield got
 
 
 def base(srv: Server) -> str:

@@ -17,14 +17,11 @@ import openai
 import pytest
 import yaml
 
-from llmgw.config.server import parse_server_config
 from llmgw.server.app import Server
 from llmgw.server.pages.setup_scripts import BEGIN, END, script
-from llmgw.testing.fake_engine import FakeEngine
-from llmgw.testing.ports import free_port as _port
 from llmgw.testing.waiting import async_until
 from tests.unit import test_pages
-from tests.unit.test_pages import PASSWORD, active_person, base, form_token, sign_in
+from tests.unit.test_pages import PASSWORD, active_person, base, form_token, running, sign_in
 
 served = test_pages.served  # the in-process server with a fake engine, as the other pages' tests have it
 
@@ -35,30 +32,15 @@ SECRET = re.compile(r"llmgw-[A-Za-z0-9_-]{40}")
 @pytest.fixture
 async def priced(tmp_path):
     """As test_pages' server, with the model priced, so a turn costs something and budgets bind."""
-    engine = await FakeEngine(model="m", tokens=6).start()
-    cfg = parse_server_config(
-        {
-            "listen": f"127.0.0.1:{_port()}",
-            "admin_listen": f"127.0.0.1:{_port()}",
-            "metrics_listen": None,
-            "agent_listen": f"127.0.0.1:{_port()}",
-            "agent_tls": None,
-            "auth": {
-                "store": str(tmp_path / "gw.db"),
-                "pricing": {"m": {"prompt_per_1k": 10.0, "completion_per_1k": 20.0}},
-            },
-            "usage": {"flush_interval": 0.05},
-            "data_dir": str(tmp_path),
-            "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
-        }
-    )
-    srv = Server(cfg)
-    await srv.start()
-    try:
-        yield srv, engine
-    finally:
-        await srv.stop()
-        await engine.stop()
+    async with running(
+        tmp_path,
+        auth={
+            "store": str(tmp_path / "gw.db"),
+            "pricing": {"m": {"prompt_per_1k": 10.0, "completion_per_1k": 20.0}},
+        },
+        usage={"flush_interval": 0.05},
+    ) as got:
+        yield got
 
 
 async def _post(http: httpx.AsyncClient, **fields: str) -> httpx.Response:
