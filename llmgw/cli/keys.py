@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+app = typer.Typer(help="Create, list and revoke API keys; set limits; move the store.", no_args_is_help=True)
 
 STORE_HELP = (
     "Store address (path, postgres:// URL or @file); default: auth.store of --config, else /var/lib/llmgw/llmgw.db."
@@ -276,3 +276,34 @@ def limits_(
 
     level, scope_id, _row = with_store(store, config, apply)
     typer.echo(f"limits {'cleared' if clear else 'set'} on {level} {scope_id}")
+
+
+@app.command("move-store")
+def move_store(
+    from_: str = typer.Option(
+        ..., "--from", help="The store to copy (path, postgres:// URL or @file); it is only read."
+    ),
+    to: str = typer.Option(
+        ...,
+        "--to",
+        help="The store to copy into (path, postgres:// URL or @file): empty, or a new file; migrated first.",
+    ),
+) -> None:
+    """Copy a whole store into an empty one, e.g. SQLite to PostgreSQL; keys keep working. Stop the gateway first."""
+    from llmgw.store import StoreError
+    from llmgw.store.move import CopiedTable
+    from llmgw.store.move import move_store as move
+
+    def copied(t: CopiedTable) -> None:
+        err.print(f"copied {t.name}: {t.rows:,} {'row' if t.rows == 1 else 'rows'}", highlight=False)
+
+    try:
+        result = asyncio.run(move(from_, to, on_table=copied))
+    except StoreError as exc:
+        fail(str(exc))
+    typer.echo(
+        f"moved {result.rows:,} rows in {len(result.tables)} tables from {result.source} to {result.destination}"
+    )
+    err.print(
+        f"{result.source} is as it was. Point auth.store at the new store, then start the gateway.", highlight=False
+    )
