@@ -29,8 +29,8 @@ def _manager(root: str, allow_local_sources: bool = False):
     """The fetcher; a seam tests replace with a stand-in."""
     import os
 
+    from llmgw.huggingface import DEFAULT_ENDPOINT
     from llmgw.mirror.fetcher import Manager
-    from llmgw.mirror.huggingface import DEFAULT_ENDPOINT
 
     # The variable huggingface_hub reads, so an internal Hugging Face mirror serves both.
     return Manager(

@@ -736,6 +736,26 @@ class LandingConfig(_Block):
     )
 
 
+class MonitoringConfig(_Block):
+    """Where the pages read the cluster's history from."""
+
+    prometheus: str | None = Field(
+        default=None,
+        description="The Prometheus that scrapes this gateway's metrics listener, e.g. http://monitoring:9090; "
+        "the Cluster and node pages chart its history. null: no charts (the pages say so).",
+    )
+
+    @field_validator("prometheus")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f'"{v}" is not an http(s) URL; write it as http://HOST:9090')
+            v = v.rstrip("/")
+        return v
+
+
 class ServerConfig(_Block):
     """server.yaml."""
 
@@ -779,6 +799,7 @@ class ServerConfig(_Block):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     models: list[ModelConfig] = Field(default_factory=list, description="The models served, with their engines.")
     landing: LandingConfig = Field(default_factory=LandingConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 
     @property
     def data_path(self) -> str:

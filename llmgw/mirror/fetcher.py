@@ -26,6 +26,7 @@ import orjson
 from llmgw import download, gguf
 from llmgw.download import Step
 from llmgw.files import replace_durably, write_atomic
+from llmgw.huggingface import DEFAULT_ENDPOINT, auth_headers
 from llmgw.mirror import huggingface
 from llmgw.mirror.layout import MirrorError, check_segment, is_hidden
 from llmgw.mirror.sources import GuardedTransport, SourcePolicy
@@ -122,7 +123,7 @@ class Manager:
         self,
         root: Path,
         *,
-        hf_endpoint: str = huggingface.DEFAULT_ENDPOINT,
+        hf_endpoint: str = DEFAULT_ENDPOINT,
         hf_token: str | None = None,
         architectures: frozenset[str] | None = None,
         timeout: float = 30.0,
@@ -285,7 +286,7 @@ class Manager:
         if not anyway:
             first = next((w for w in todo if w.name.lower().endswith(".gguf")), None)
             if first is not None and (model, version, first.name) not in self._flights:
-                headers = huggingface.auth_headers(self.hf_token) if first.hf else None
+                headers = auth_headers(self.hf_token) if first.hf else None
                 refusal = await gguf.check_gguf_url(first.url, self._http(), self.architectures, headers=headers)
                 if refusal:
                     raise MirrorError(refusal)
@@ -392,7 +393,7 @@ class Manager:
         have = download.resume_from(part, w.size)
         headers = download.request_headers(have)
         if w.hf:
-            headers.update(huggingface.auth_headers(self.hf_token))
+            headers.update(auth_headers(self.hf_token))
         async with self._http().stream("GET", w.url, headers=headers) as resp:
             code = resp.status_code
             answer = download.read_answer(

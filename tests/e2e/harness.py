@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -87,6 +89,49 @@ class Proc:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+class Prometheus(Proc):
+    """Debian's real ``prometheus``, scraping the given targets every second into a fresh database."""
+
+    def __init__(self, workdir: Path, targets: list[str], job: str = "llmgw") -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            require("Prometheus", "prometheus is not installed (apt-get install prometheus; scripts/test does)")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        home = workdir / f"prometheus-{self.port}"
+        home.mkdir()
+        config = home / "prometheus.yml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}],
+                }
+            )
+        )
+        cmd = [
+            str(binary),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={home / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        super().__init__(cmd, workdir / f"prometheus-{self.port}.log")
+
+    def wait_ready(self, timeout: float = 60.0) -> Prometheus:
+        wait_http(self.url + "/-/ready", self.proc, timeout, self.log)
+        return self
+
+    def samples(self, query: str, seconds: float = 600) -> int:
+        """How many samples ``query`` has over the last ``seconds``, summed over its series."""
+        now = time.time()
+        r = httpx.get(
+            self.url + "/api/v1/query_range",
+            params={"query": query, "start": now - seconds, "end": now, "step": 1},
+            timeout=10,
+        ).json()
+        return sum(len(s["values"]) for s in r["data"]["result"])
 
 
 class LlamaServer(Proc):
@@ -198,17 +243,24 @@ class Gateway(Proc):
 
 
 def start_agent(
-    tmp_path: Path, name: str, port: int, pki: Path, *, cert_node: str | None = None, supervisor: dict | None = None
+    tmp_path: Path,
+    name: str,
+    port: int | list[int],
+    pki: Path,
+    *,
+    cert_node: str | None = None,
+    supervisor: dict | None = None,
 ) -> Proc:
-    """`llmgw agent` as node NAME dialling 127.0.0.1:PORT with the certificate of CERT_NODE (default
-    NAME: another node's certificate makes an impostor), fast heartbeats and reconnects, files under
-    tmp_path/NAME, no GPUs."""
+    """`llmgw agent` as node NAME dialling 127.0.0.1:PORT (or each of a list of ports in turn: control
+    planes that share a store) with the certificate of CERT_NODE (default NAME: another node's
+    certificate makes an impostor), fast heartbeats and reconnects, files under tmp_path/NAME, no GPUs."""
     cert = cert_node or name
     cfg = tmp_path / f"agent-{name}.yaml"
+    where = {"servers": [f"127.0.0.1:{p}" for p in port]} if isinstance(port, list) else {"server": f"127.0.0.1:{port}"}
     cfg.write_text(
         yaml.safe_dump(
             {
-                "server": f"127.0.0.1:{port}",
+                **where,
                 "node_id": name,
                 "tls": {
                     "ca": str(pki / "ca.pem"),

@@ -9,55 +9,37 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
-from harness import Gateway, free_port, llmgw_cmd, release_files, serve_files, start_agent, wait_until
+from browsing import NARROW, PASSWORD, cli, fits, shot_dir, sign_in
+from harness import (
+    Gateway,
+    Prometheus,
+    free_port,
+    release_files,
+    serve_files,
+    start_agent,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # an agent installs llama.cpp and serves a replica
 
 TAG = "b9999"
-PASSWORD = "correct horse battery"
-NARROW = {"width": 390, "height": 844}
-
-
-def _shots(tmp_path: Path) -> Path:
-    d = Path(os.environ.get("LLMGW_SCREENSHOTS") or tmp_path / "screenshots")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _fits(page) -> bool:
-    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))
-
-
-def _cli(*args: str) -> str:
-    r = subprocess.run(llmgw_cmd(*args), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
-def _sign_in(page, url: str, email: str) -> None:
-    page.goto(url + "/login")
-    page.fill("input[name=email]", email)
-    page.fill("input[name=password]", PASSWORD)
-    page.click("main button[type=submit]")
-    page.wait_for_url(lambda u: "/login" not in u)
 
 
 def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_sign_up_in_chromium(
     browser, llama_server_bin, tiny_model, tmp_path
 ):
     pki = tmp_path / "pki"
-    _cli("ctl", "cert", "init-ca", "--dir", str(pki))
-    _cli("ctl", "cert", "issue-server", "127.0.0.1", "localhost", "--dir", str(pki))
-    _cli("ctl", "cert", "issue-client", "node-a", "--dir", str(pki))
+    cli("ctl", "cert", "init-ca", "--dir", str(pki))
+    cli("ctl", "cert", "issue-server", "127.0.0.1", "localhost", "--dir", str(pki))
+    cli("ctl", "cert", "issue-client", "node-a", "--dir", str(pki))
     files, stop_files = serve_files(
         {**release_files(llama_server_bin, TAG), "/models/tiny.gguf": tiny_model.read_bytes()}
     )
-    agent_port = free_port()
+    agent_port, metrics_port = free_port(), free_port()
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{metrics_port}"]).wait_ready()
     gw = Gateway(
         tmp_path,
         models=[
@@ -74,9 +56,11 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         control={"enabled": True, "unreachable_after": "3s", "lost_after": "10s", "interval": "500ms"},
         engines={"llamacpp": TAG, "release_url": files},
         auth={"signup_open": True},
+        metrics_listen=f"127.0.0.1:{metrics_port}",
+        monitoring={"prometheus": prom.url},
     )
     agent = start_agent(tmp_path, "node-a", agent_port, pki, supervisor={"health_interval": "250ms"})
-    procs = [gw, agent]
+    procs = [gw, agent, prom]
     engine_pids: list[int] = []
 
     def replicas() -> list[dict]:
@@ -93,9 +77,19 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         replica = ready[0]
         shard = replica["shards"][0]["shard_id"]
         engine_pids += [s["pid"] for s in replica["shards"] if s.get("pid")]
-        _cli("users", "create", "root@example.com", "--password", PASSWORD, "--config", str(gw.config))
-        _cli("users", "promote", "root@example.com", "--config", str(gw.config))
-        shots = _shots(tmp_path)
+        # A 15-minute chart takes a point every 7.5 s: twelve scrapes a second apart make a line of two.
+        wait_until(
+            lambda: (
+                prom.samples('llmgw_replicas{state="ready"} > 0') >= 12
+                and prom.samples('llmgw_node_cpu_utilization_percent{node="node-a"}') >= 12
+            ),
+            90,
+            "Prometheus to hold twelve scrapes of the ready replica and node-a's CPU",
+            procs,
+        )
+        cli("users", "create", "root@example.com", "--password", PASSWORD, "--config", str(gw.config))
+        cli("users", "promote", "root@example.com", "--config", str(gw.config))
+        shots = shot_dir(tmp_path)
         context = browser.new_context(viewport=NARROW)
         page = context.new_page()
 
@@ -107,7 +101,7 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         page.click("main button[type=submit]")
         page.wait_for_selector("text=waits for approval")
 
-        _sign_in(page, gw.url, "root@example.com")
+        sign_in(page, gw.url, "root@example.com")
         page.goto(gw.url + "/admin")
         assert page.get_attribute("nav a[href='/admin']", "aria-current") == "page"
         nodes = page.locator("#h-nodes + .table-box")
@@ -115,8 +109,20 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         models = page.inner_text("#h-models ~ .table-box")
         assert replica["id"] in models and "ready" in models and "the tiny test model" in models
         assert "dana@example.com" in page.inner_text("#h-people ~ ul")
-        assert _fits(page)
+        # The history, read back from the real Prometheus: four panels, the replicas drawn as a line.
+        page.click("section[aria-labelledby=h-history] a:has-text('the last 15 minutes')")
+        page.wait_for_url(gw.url + "/admin?window=15m")
+        history = page.locator("section[aria-labelledby=h-history]")
+        assert history.locator("figure.h-chart").count() == 4
+        replicas_chart = history.locator("figure.h-chart:has(figcaption:text-is('Replicas'))")
+        assert replicas_chart.locator("polyline.h-line").count() >= 1
+        assert "ready" in replicas_chart.locator("polyline title").all_text_contents()
+        page.click("section[aria-labelledby=h-history] a:has-text('the last day')")
+        page.wait_for_url(gw.url + "/admin?window=1d")
+        assert page.locator("section[aria-labelledby=h-history] strong[aria-current]").inner_text() == "the last day"
+        assert fits(page)
         page.screenshot(path=str(shots / "admin-cluster.png"), full_page=True)
+        page.goto(gw.url + "/admin")
         # It refreshes in place: htmx asks for the fragment and swaps it, the page stays.
         with page.expect_response(
             lambda r: r.url == gw.url + "/admin" and r.request.headers.get("hx-request") == "true", timeout=20_000
@@ -131,12 +137,16 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         page.wait_for_url(gw.url + "/admin/nodes/node-a")
         text = page.inner_text("main")
         assert "Node node-a" in text and "llamacpp" in text and shard in text and "no GPU" in text
-        assert _fits(page)
+        page.goto(gw.url + "/admin/nodes/node-a?window=15m")
+        cpu = page.locator("section[aria-labelledby=h-history] figure.h-chart:has(figcaption:text-is('CPU'))")
+        assert cpu.locator("polyline.h-line").count() >= 1
+        page.goto(gw.url + "/admin/nodes/node-a")
+        assert fits(page)
         page.screenshot(path=str(shots / "admin-node.png"), full_page=True)
         page.click("main a[href='/admin/nodes/node-a/logs']")
         page.wait_for_selector("#log")
         assert "connected to the control plane" in page.inner_text("#log")
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "admin-node-logs.png"), full_page=True)
         page.click(f".pills a:has-text('{shard}')")
         page.wait_for_url(lambda u: f"source={shard}" in u)
@@ -146,7 +156,7 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         assert page.inner_text("#log").strip()  # llama-server's own output
         with page.expect_response(lambda r: "follow=1" in r.url and r.request.headers.get("hx-request") == "true"):
             pass
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "admin-shard-logs.png"), full_page=True)
 
         # People: approve the sign-up on their own.
@@ -162,28 +172,28 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
             form.locator("button[type=submit]").click()
             page.wait_for_selector(f"p.done:has-text('{name}')")
         page.select_option("#pending select[name=project]", label="Acme/platform/gateway")
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "admin-people.png"), full_page=True)
         page.click("#pending button:has-text('Approve')")
         page.wait_for_selector("text=Approved dana@example.com into Acme/platform/gateway.")
         page.click("summary:has-text('gateway')")
         assert "dana@example.com" in page.inner_text("details.admin-project")
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "admin-people-tree.png"), full_page=True)
         assert "No sign-up waits for approval." in page.inner_text("#pending")
-        assert _fits(page)
+        assert fits(page)
 
         # Dana can sign in now, and is refused the administrator's pages.
         other = browser.new_context(viewport=NARROW).new_page()
-        _sign_in(other, gw.url, "dana@example.com")
+        sign_in(other, gw.url, "dana@example.com")
         assert other.locator("nav a[href='/admin']").count() == 0
         for path in ("/admin", "/admin/nodes/node-a", "/admin/nodes/node-a/logs", "/admin/users"):
             resp = other.goto(gw.url + path)
             assert resp.status == 403 and "for administrators" in other.inner_text("main"), path
-        assert _fits(other)
+        assert fits(other)
         other.screenshot(path=str(shots / "admin-refused.png"), full_page=True)
     finally:
-        for p in (agent, gw):
+        for p in (agent, gw, prom):
             if p.alive():
                 p.stop()
         # The agent leaves its engines running on purpose (a restarted agent adopts them); a test must not.

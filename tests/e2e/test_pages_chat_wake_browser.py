@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
-from harness import Gateway, free_port, llmgw_cmd, release_files, start_agent, wait_until
+from browsing import NARROW, PASSWORD, cli, fits, shot_dir, sign_in
+from harness import Gateway, free_port, release_files, start_agent, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # an agent installs llama.cpp and serves a replica
 
 TAG = "b9999"
-PASSWORD = "correct horse battery"
-NARROW = {"width": 390, "height": 844}
 MODEL_PATH = "/models/tiny.gguf"
 
 # Every text the status line shows, in order (the page's own script is not changed for the test).
@@ -35,22 +32,6 @@ WATCH_STATUS = """() => {
     if (t && window.llmgwSeen[window.llmgwSeen.length - 1] !== t) window.llmgwSeen.push(t);
   }).observe(el, { childList: true, characterData: true, subtree: true });
 }"""
-
-
-def _shots(tmp_path: Path) -> Path:
-    d = Path(os.environ.get("LLMGW_SCREENSHOTS") or tmp_path / "screenshots")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _fits(page) -> bool:
-    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))
-
-
-def _cli(*args: str) -> str:
-    r = subprocess.run(llmgw_cmd(*args), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
 
 
 def _gated_files(files: dict[str, bytes], gated: str, gate: threading.Event) -> tuple[str, callable]:
@@ -95,9 +76,9 @@ def test_a_person_wakes_an_on_demand_model_from_the_chat_page_sees_it_load_and_g
     browser, llama_server_bin, tiny_model, tmp_path
 ):
     pki = tmp_path / "pki"
-    _cli("ctl", "cert", "init-ca", "--dir", str(pki))
-    _cli("ctl", "cert", "issue-server", "127.0.0.1", "localhost", "--dir", str(pki))
-    _cli("ctl", "cert", "issue-client", "node-a", "--dir", str(pki))
+    cli("ctl", "cert", "init-ca", "--dir", str(pki))
+    cli("ctl", "cert", "issue-server", "127.0.0.1", "localhost", "--dir", str(pki))
+    cli("ctl", "cert", "issue-client", "node-a", "--dir", str(pki))
     gate = threading.Event()
     files, stop_files = _gated_files(
         {**release_files(llama_server_bin, TAG), MODEL_PATH: tiny_model.read_bytes()}, MODEL_PATH, gate
@@ -130,14 +111,10 @@ def test_a_person_wakes_an_on_demand_model_from_the_chat_page_sees_it_load_and_g
 
     try:
         gw.wait_up(ready=False)
-        _cli("users", "create", "ann@example.com", "--password", PASSWORD, "--config", str(gw.config))
-        shots = _shots(tmp_path)
+        cli("users", "create", "ann@example.com", "--password", PASSWORD, "--config", str(gw.config))
+        shots = shot_dir(tmp_path)
         page = browser.new_context(viewport=NARROW).new_page()
-        page.goto(gw.url + "/login")
-        page.fill("input[name=email]", "ann@example.com")
-        page.fill("input[name=password]", PASSWORD)
-        page.click("main button[type=submit]")
-        page.wait_for_url(lambda u: "/login" not in u)
+        sign_in(page, gw.url, "ann@example.com")
         page.goto(gw.url + "/chat")
         assert "(not loaded)" in page.inner_text("#model option[value=tiny]")
         page.wait_for_selector("#model-note:has-text('the first message loads it')")
@@ -162,7 +139,7 @@ def test_a_person_wakes_an_on_demand_model_from_the_chat_page_sees_it_load_and_g
         text = page.inner_text("#status")
         assert " of " in text and "%" in text, text
         assert page.is_visible("#loading-bar")
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "chat-wake-downloading.png"), full_page=True)
         gate.set()
 
@@ -189,7 +166,7 @@ def test_a_person_wakes_an_on_demand_model_from_the_chat_page_sees_it_load_and_g
         assert page.inner_text("#model option[value=tiny]") == "tiny"  # no longer "(not loaded)"
         ready = [r for r in replicas() if r["state"] == "ready"]
         assert ready and ready[0]["model"] == "tiny"
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "chat-wake-reply.png"), full_page=True)
 
         # The next message goes straight to the loaded model.

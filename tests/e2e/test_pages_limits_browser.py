@@ -7,44 +7,14 @@ directory)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import httpx
 import pytest
-from harness import Gateway, llmgw_cmd
+from browsing import ADMIN, NARROW, PASSWORD, WIDE, cli, fits, shot_dir, sign_in
+from harness import Gateway
 
 from llmgw.testing.waiting import until
 
 pytestmark = [pytest.mark.e2e]
-
-PASSWORD = "correct horse battery"
-ADMIN = "root@example.com"
-NARROW = {"width": 390, "height": 844}
-WIDE = {"width": 1280, "height": 900}
-
-
-def _shots(tmp_path: Path) -> Path:
-    d = Path(os.environ.get("LLMGW_SCREENSHOTS") or tmp_path / "screenshots")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _fits(page) -> bool:
-    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))
-
-
-def _cli(gw: Gateway, *args: str) -> str:
-    r = subprocess.run(
-        llmgw_cmd(*args, "--config", str(gw.config)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
 
 
 def test_an_administrator_sets_a_projects_rpm_in_chromium_and_the_next_request_is_refused(browser, engines, tmp_path):
@@ -52,12 +22,12 @@ def test_an_administrator_sets_a_projects_rpm_in_chromium_and_the_next_request_i
     gw = Gateway(tmp_path, [{"name": "tiny", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}])
     try:
         gw.wait_up()
-        _cli(gw, "users", "create", ADMIN, "--password", PASSWORD, "--name", "Root")
-        _cli(gw, "users", "promote", ADMIN)
-        _cli(gw, "org", "add", "org", "Acme")
-        _cli(gw, "org", "add", "team", "platform", "--in", "Acme")
-        _cli(gw, "org", "add", "project", "gateway", "--in", "Acme/platform")
-        _cli(gw, "keys", "limits", "--scope", "team", "--id", "Acme/platform", "--tpm", "100000")
+        cli("users", "create", ADMIN, "--password", PASSWORD, "--name", "Root", config=gw.config)
+        cli("users", "promote", ADMIN, config=gw.config)
+        cli("org", "add", "org", "Acme", config=gw.config)
+        cli("org", "add", "team", "platform", "--in", "Acme", config=gw.config)
+        cli("org", "add", "project", "gateway", "--in", "Acme/platform", config=gw.config)
+        cli("keys", "limits", "--scope", "team", "--id", "Acme/platform", "--tpm", "100000", config=gw.config)
         secret = gw.keys("create", "ci", "--project", "Acme/platform/gateway").stdout.strip().splitlines()[-1]
         key = {"Authorization": f"Bearer {secret}"}
         until(
@@ -72,13 +42,9 @@ def test_an_administrator_sets_a_projects_rpm_in_chromium_and_the_next_request_i
             return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=key, timeout=60)
 
         assert ask().status_code == 200
-        shots = _shots(tmp_path)
+        shots = shot_dir(tmp_path)
         page = browser.new_page(viewport=WIDE)
-        page.goto(gw.url + "/login?next=/admin/quotas")
-        page.fill("input[name=email]", ADMIN)
-        page.fill("input[name=password]", PASSWORD)
-        page.click("button[type=submit]")
-        page.wait_for_url(gw.url + "/admin/quotas")
+        sign_in(page, gw.url, ADMIN, "/admin/quotas")
         assert page.get_attribute("nav a[href='/admin/quotas']", "aria-current") == "page"
         assert "rate and token limits are unaffected" in page.inner_text("main")  # nothing is priced here
         project = page.locator("tbody.q-level", has_text="gateway").first
@@ -122,11 +88,11 @@ def test_an_administrator_sets_a_projects_rpm_in_chromium_and_the_next_request_i
             ("/admin/quotas", "quotas"),
         ):
             page.goto(gw.url + path)
-            assert _fits(page), path
+            assert fits(page), path
             page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
         page.locator("tbody.q-level", has_text="gateway").first.get_by_role("link", name="edit").click()
         page.locator("form.q-form").wait_for()
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "quotas-edit-narrow.png"), full_page=True)
         # Without script, the same link opens the same form.
         plain = browser.new_page(viewport=NARROW, java_script_enabled=False)

@@ -9,12 +9,12 @@ directory)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from browsing import ADMIN, NARROW, PASSWORD, WIDE, cli, fits, shot_dir, sign_in
 from harness import Gateway, Proc, free_port, llmgw_cmd, wait_http
 from test_mirror_e2e import HuggingFace
 
@@ -23,21 +23,7 @@ from llmgw.testing.waiting import until
 
 pytestmark = [pytest.mark.e2e]
 
-PASSWORD = "correct horse battery"
-ADMIN = "root@example.com"
-NARROW = {"width": 390, "height": 844}
-WIDE = {"width": 1280, "height": 900}
 BIG = os.urandom(3 << 20)  # 3 MiB
-
-
-def _shots(tmp_path: Path) -> Path:
-    d = Path(os.environ.get("LLMGW_SCREENSHOTS") or tmp_path / "screenshots")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _fits(page) -> bool:
-    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))
 
 
 def _gguf(tmp_path: Path, arch: str) -> bytes:
@@ -90,18 +76,6 @@ class HeldFile:
         self.srv.shutdown()
 
 
-def _cli(gw: Gateway, *args: str) -> str:
-    r = subprocess.run(
-        llmgw_cmd(*args, "--config", str(gw.config)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
-
-
 def test_the_mirror_page_shows_a_held_model_and_a_fetch_arriving_in_place_in_chromium(browser, tmp_path):
     tiny = _gguf(tmp_path, "llama")
     hf = HuggingFace({"acme/Tiny-GGUF": {"tiny-q4_k_m.gguf": tiny, "mmproj-tiny-f16.gguf": tiny}}, gated=set())
@@ -142,18 +116,14 @@ def test_the_mirror_page_shows_a_held_model_and_a_fetch_arriving_in_place_in_chr
     try:
         wait_http(f"http://127.0.0.1:{aport}/v1/health", mirror.proc, 30, mirror.log)
         gw.wait_up(ready=False)
-        _cli(gw, "users", "create", ADMIN, "--password", PASSWORD, "--name", "Root")
-        _cli(gw, "users", "promote", ADMIN)
-        _cli(gw, "org", "add", "org", "Acme")
-        _cli(gw, "org", "add", "team", "platform", "--in", "Acme")
-        _cli(gw, "org", "add", "project", "gateway", "--in", "Acme/platform")
-        shots = _shots(tmp_path)
+        cli("users", "create", ADMIN, "--password", PASSWORD, "--name", "Root", config=gw.config)
+        cli("users", "promote", ADMIN, config=gw.config)
+        cli("org", "add", "org", "Acme", config=gw.config)
+        cli("org", "add", "team", "platform", "--in", "Acme", config=gw.config)
+        cli("org", "add", "project", "gateway", "--in", "Acme/platform", config=gw.config)
+        shots = shot_dir(tmp_path)
         page = browser.new_page(viewport=WIDE)
-        page.goto(gw.url + "/login?next=/admin/mirror")
-        page.fill("input[name=email]", ADMIN)
-        page.fill("input[name=password]", PASSWORD)
-        page.click("main button[type=submit]")
-        page.wait_for_url(gw.url + "/admin/mirror")
+        sign_in(page, gw.url, ADMIN, "/admin/mirror")
         assert page.get_attribute("nav a[href='/admin/mirror']", "aria-current") == "page"
         held = page.locator("#v-tiny-v1")
         assert "tiny.gguf" in held.inner_text() and "present" in held.inner_text()
@@ -174,7 +144,7 @@ def test_the_mirror_page_shows_a_held_model_and_a_fetch_arriving_in_place_in_chr
         assert page.get_attribute("#mirror-live", "hx-trigger") == "every 5s, refresh"
         page.screenshot(path=str(shots / "mirror-fetching.png"), full_page=True)
         page.set_viewport_size(NARROW)
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "mirror-fetching-narrow.png"), full_page=True)
         page.set_viewport_size(WIDE)
 
@@ -211,12 +181,12 @@ def test_the_mirror_page_shows_a_held_model_and_a_fetch_arriving_in_place_in_chr
             ("/org", "org"),
         ):
             page.goto(gw.url + path)
-            assert _fits(page), path
+            assert fits(page), path
             page.screenshot(path=str(shots / f"{name}-narrow.png"), full_page=True)
         assert "<h1>Acme</h1>" in page.content() and "platform" in page.inner_text("main")
         page.goto(gw.url + "/admin/mirror")
         page.locator("#v-tiny-v1 summary", has_text="Serve").click()
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "mirror-serve-narrow.png"), full_page=True)
     finally:
         source.close()

@@ -9,29 +9,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import openai
 import pytest
 import yaml
+from browsing import NARROW, PASSWORD, fits, shot_dir, sign_in
 from harness import Gateway, llmgw_cmd, require
 
 from llmgw.testing.waiting import until
 
 pytestmark = [pytest.mark.e2e]
-
-PASSWORD = "correct horse battery"
-NARROW = {"width": 390, "height": 844}
-
-
-def _shots(tmp_path: Path) -> Path:
-    d = Path(os.environ.get("LLMGW_SCREENSHOTS") or tmp_path / "screenshots")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _fits(page) -> bool:
-    return bool(page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"))
 
 
 def _replies(url: str, key: str) -> bool:
@@ -57,22 +44,18 @@ def test_a_key_made_on_the_account_page_in_chromium_answers_through_the_openai_s
             timeout=60,
         )
         assert r.returncode == 0, r.stdout + r.stderr
-        shots = _shots(tmp_path)
+        shots = shot_dir(tmp_path)
         page = browser.new_page(viewport=NARROW)
-        page.goto(gw.url + "/login?next=/profile")
-        page.fill("input[name=email]", "erin@example.com")
-        page.fill("input[name=password]", PASSWORD)
-        page.click("button[type=submit]")
-        page.wait_for_url(gw.url + "/profile")
+        sign_in(page, gw.url, "erin@example.com", "/profile")
         assert page.get_attribute("nav a[href='/profile']", "aria-current") == "page"
-        assert _fits(page)
+        assert fits(page)
 
         # A key, shown once on the page that made it, answering through the SDK.
         page.fill("#create-key input[name=name]", "laptop")
         page.click("#create-key button[type=submit]")
         key = page.inner_text("#new-key").strip()
         assert key.startswith("llmgw-")
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "profile-new-key.png"), full_page=True)
         until(lambda: _replies(gw.url, key), 30, "the new key to answer", [gw], ignore=(openai.AuthenticationError,))
 
@@ -84,7 +67,7 @@ def test_a_key_made_on_the_account_page_in_chromium_answers_through_the_openai_s
         until(used, 30, "the key to be listed as used", [gw])
         assert key not in page.content() and key[:14] in page.content()
         assert page.inner_text("#use-requests").strip() != "0"
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "profile.png"), full_page=True)
 
         # Connect your editor: Continue, with the setup line run as a person would run it.
@@ -93,7 +76,7 @@ def test_a_key_made_on_the_account_page_in_chromium_answers_through_the_openai_s
         command = page.inner_text("#editor-command").strip()
         editor_key = page.inner_text("#editor-key").strip()
         assert f"export LLMGW_API_KEY='{editor_key}'" in command and "/setup/continue?model=tiny" in command
-        assert _fits(page)
+        assert fits(page)
         page.screenshot(path=str(shots / "profile-editor.png"), full_page=True)
         home = tmp_path / "home"
         home.mkdir()

@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from test_mirror_gguf import gguf_bytes
 
-from llmgw.mirror import huggingface
+from llmgw.huggingface import is_gated
 from llmgw.mirror.fetcher import Manager
 from llmgw.mirror.layout import MirrorError
 
@@ -192,4 +192,4 @@ async def test_unknown_repo_and_file_and_bad_sources(hf, tmp_path):
     [(False, False), (True, True), ("auto", True), ("manual", True), ("", False), ("false", False), (None, False)],
 )
 def test_gated_is_read_from_bool_or_string(value, want):
-    assert huggingface.is_gated(value) is want
+    assert is_gated(value) is want

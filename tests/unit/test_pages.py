@@ -3,6 +3,7 @@ out, the session/API split, CSRF, and the chat page's path through the gateway a
 
 from __future__ import annotations
 
+import html
 import re
 from contextlib import asynccontextmanager
 
@@ -207,6 +208,54 @@ async def test_a_chat_turn_streams_through_the_gateway_as_the_person_with_the_te
         )
         assert r.status_code == 403 and "project" in r.json()["error"]["message"]
     assert ann.id  # the usage row is recorded as session:<id> (tested in the accounting tests)
+
+
+async def test_without_script_a_chat_turn_is_a_form_answered_whole_with_the_conversation_carried_on(served):
+    srv, engine = served
+    await active_person(srv)
+    async with httpx.AsyncClient(base_url=base(srv)) as http:
+        await sign_in(http, "ann@example.com")
+        page = (await http.get("/chat")).text
+        assert '<form class="chat-form" id="chat" method="post" action="/chat"' in page
+        csrf = form_token(page)
+        first = await http.post(
+            "/chat",
+            data={"csrf": csrf, "model": "m", "temperature": "9", "system": "be brief", "message": "hi <b>there</b>"},
+        )
+        assert first.status_code == 200
+        sent = engine.requests[-1].body
+        assert sent["stream"] is False and sent["temperature"] == 2.0 and sent["messages"][0]["role"] == "system"
+        # The question is shown escaped, the reply rendered, its figures under it; the next form carries both.
+        assert "hi &lt;b&gt;there&lt;/b&gt;" in first.text and '<div class="reply"><p>' in first.text
+        assert re.search(r'<div class="figures">\d+ tokens · [\d.]+ tokens/s · total ', first.text)
+        history = html.unescape(re.search(r'name="history" value="([^"]*)"', first.text).group(1))
+        turns = orjson.loads(history)
+        assert [t["role"] for t in turns] == ["user", "assistant"] and turns[0]["content"] == "hi <b>there</b>"
+        assert '<textarea id="system" name="system" form="chat" rows="3">be brief</textarea>' in first.text
+        second = await http.post(
+            "/chat", data={"csrf": form_token(first.text), "model": "m", "message": "and again", "history": history}
+        )
+        assert second.status_code == 200
+        assert [m["role"] for m in engine.requests[-1].body["messages"]] == ["user", "assistant", "user"]
+        assert second.text.count('<div class="turn ') == 4
+        # Refusals are said on the page and change nothing: an unreadable conversation, no message, no token.
+        bad = await http.post("/chat", data={"csrf": csrf, "model": "m", "message": "x", "history": "[{"})
+        assert bad.status_code == 400 and "could not be read" in bad.text
+        empty = await http.post("/chat", data={"csrf": csrf, "model": "m", "message": " "})
+        assert empty.status_code == 400 and "Write a message first." in empty.text
+        asked = len(engine.requests)
+        forged = await http.post("/chat", data={"model": "m", "message": "x"})
+        assert forged.status_code == 403 and len(engine.requests) == asked
+
+
+def test_maths_is_set_aside_for_katex_outside_code_while_prices_stay_prose():
+    html = render_markdown("It costs $5 and $10. Euler: $e^{i\\pi}+1=0$, and $$x<y$$.\n\n`$z$`\n\n$$\n\\int_0^1 x\n$$")
+    assert "It costs $5 and $10." in html
+    assert '<span class="math inline">e^{i\\pi}+1=0</span>' in html
+    assert '<span class="math display">x&lt;y</span>' in html  # display maths inside a line stays inline HTML
+    assert "<code>$z$</code>" in html
+    assert '<div class="math display">\\int_0^1 x</div>' in html
+    assert "<script>" not in render_markdown("$</span><script>alert(1)</script>$")
 
 
 def test_a_reply_is_rendered_as_markdown_without_raw_html_or_dangerous_links():

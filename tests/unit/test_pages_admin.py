@@ -40,6 +40,7 @@ from llmgw.protocol import (
 )
 from llmgw.protocol.inventory import Host
 from llmgw.server.app import Server
+from llmgw.server.pages.charts import Prometheus
 from llmgw.store import UsageRow
 from llmgw.testing.fake_engine import FakeEngine
 from llmgw.testing.ports import free_port as _port
@@ -277,6 +278,70 @@ async def test_the_cluster_page_shows_capacity_the_node_its_engines_the_replica_
     # It refreshes in place, pausing while hidden (admin.js), and reloads without script.
     assert 'hx-get="/admin"' in page and 'hx-trigger="every 5s, refresh"' in page and "data-refresh" in page
     assert '<noscript><meta http-equiv="refresh"' in page and "/static/admin." in page
+    # No monitoring.prometheus: no chart panels, and the page says what would give them.
+    assert "set <code>monitoring.prometheus</code> in server.yaml" in page and "h-chart" not in page
+
+
+def _prometheus_answering(srv: Server, seen: list[str]) -> None:
+    """The site reads history from a stand-in Prometheus: every query answers one rising series."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.params["query"])
+        now = time.time()
+        values = [[now - 60 * i, str(10 - i)] for i in range(10, 0, -1)]
+        metric = {"model": "tiny", "state": "ready", "node": "node-a", "window": "1m", "shard": "x-0"}
+        return httpx.Response(
+            200,
+            json={
+                "status": "success",
+                "data": {"resultType": "matrix", "result": [{"metric": metric, "values": values}]},
+            },
+        )
+
+    srv.site.history = Prometheus("http://prometheus.test:9090", transport=httpx.MockTransport(handle))
+
+
+async def test_the_cluster_page_charts_saturation_queues_cache_and_replicas_from_prometheus(cluster):
+    srv, _ = cluster
+    seen: list[str] = []
+    _prometheus_answering(srv, seen)
+    async with admin_client(srv) as http:
+        page = (await http.get("/admin")).text
+        day = (await http.get("/admin?window=1d")).text
+    assert "What the cluster is doing" in page
+    for title in ("Saturation", "Queue depth", "Cache occupancy", "Replicas"):
+        assert f"<figcaption>{title}</figcaption>" in page
+    assert page.count('<polyline class="h-line c1"') == 4
+    assert any("llmgw_pool_saturation" in q for q in seen) and any("llmgw_replicas" in q for q in seen)
+    # The charts come before the models table.
+    assert page.index("What the cluster is doing") < page.index('id="h-models"')
+    assert '<strong aria-current="true">the last day</strong>' in day and 'hx-get="/admin?window=1d"' in day
+
+
+async def test_the_node_page_charts_its_hour_from_prometheus_by_node_and_by_its_replicas(cluster):
+    srv, _ = cluster
+    seen: list[str] = []
+    _prometheus_answering(srv, seen)
+    async with admin_client(srv) as http:
+        page = (await http.get("/admin/nodes/node-a")).text
+    for title in ("CPU", "Memory in use", "Load", "Cores by model", "Memory by model", "Queue depth"):
+        assert f"<figcaption>{title}</figcaption>" in page
+    assert all('node="node-a"' in q for q in seen if "llmgw_node" in q or "llmgw_shard" in q)
+    replica = next(iter(srv.reconciler.replicas.values()))
+    assert any(replica.id in q for q in seen if "llmgw_endpoint_waiting" in q)
+
+
+async def test_the_history_panels_give_way_to_one_sentence_when_prometheus_is_unreachable(cluster):
+    srv, _ = cluster
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    srv.site.history = Prometheus("http://prometheus.test:9090", transport=httpx.MockTransport(refuse))
+    async with admin_client(srv) as http:
+        r = await http.get("/admin")
+    assert r.status_code == 200
+    assert "Prometheus at http://prometheus.test:9090 could not be read" in r.text and "h-chart" not in r.text
 
 
 async def test_htmx_gets_only_the_refreshing_part_of_the_cluster_page(cluster):

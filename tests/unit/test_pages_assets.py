@@ -29,6 +29,20 @@ def test_the_served_htmx_is_exactly_the_minified_file_in_that_tarball():
         assert (STATIC_DIR / "htmx.min.js").read_bytes() == member.read()
 
 
+KATEX = REPO / "vendor" / "katex-0.19.1.tgz"
+# `npm view katex@0.19.1 dist.integrity`.
+KATEX_INTEGRITY = "sha512-jG8uKntjSEcm2EpQOh0XturpPuuC9r3Sq5HLHdsFdWZT27E672SF19QEi+of0/YeOy15lDgRhKvr5614uRrEfA=="
+
+
+def test_the_vendored_katex_tarball_is_the_one_npm_publishes_and_the_served_file_is_its_own():
+    data = KATEX.read_bytes()
+    assert "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode() == KATEX_INTEGRITY
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        member = tf.extractfile("package/dist/katex.min.js")
+        assert member is not None
+        assert (STATIC_DIR / "katex.min.js").read_bytes() == member.read()
+
+
 def test_a_static_name_carries_its_content_hash_so_a_change_renames_it(tmp_path):
     (tmp_path / "style.css").write_text("body{}")
     first = Assets(tmp_path).url("style.css")

@@ -24,6 +24,7 @@ from test_pages import PASSWORD, active_person, base, form_token, sign_in
 
 from llmgw.config.server import parse_server_config
 from llmgw.files import write_secret_file
+from llmgw.huggingface import TreeFile
 from llmgw.mirror.api import ApiAccess, api_app
 from llmgw.mirror.fetcher import Manager
 from llmgw.mirror.serve import manager_checksums, weights_app
@@ -525,14 +526,16 @@ def test_quantisations_are_read_from_file_names_and_shard_sets_are_one_file():
     ] == ["Q4_K_M", "IQ2_XXS", "Q4_K_XL", "Q8_0", "BF16", "", ""]
     assert not_a_model("mmproj-model-f16.gguf") and not_a_model("imatrix.gguf") and not not_a_model("q4.gguf")
     assert default_model("Qwen/Qwen2.5-0.5B-Instruct-GGUF") == "qwen2.5-0.5b-instruct"
-    ggufs, others = repo_files(
-        [
+    listing = [
+        TreeFile.read(e)
+        for e in (
             {"path": "m-00002-of-00003.gguf", "size": 2},
             {"path": "m-00001-of-00003.gguf", "size": 1},
             {"path": "n.gguf", "lfs": {"size": 10}, "size": 130},
             {"path": "config.json", "size": 5},
-        ]
-    )
+        )
+    ]
+    ggufs, others = repo_files([f for f in listing if f is not None])
     assert [(f.path, f.label, f.size) for f in ggufs] == [
         ("m-00001-of-00003.gguf", "m-00001-of-00003.gguf (2 files of 3: some are missing)", 3),
         ("n.gguf", "n.gguf", 10),

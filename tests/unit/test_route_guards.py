@@ -46,6 +46,7 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "POST", "/signup"): PAGE,
     ("listen", "POST", "/logout"): SESSION,
     ("listen", "GET", "/chat"): SESSION,
+    ("listen", "POST", "/chat"): SESSION,
     ("listen", "POST", "/chat/send"): SESSION,
     ("listen", "POST", "/chat/render"): SESSION,
     ("listen", "POST", "/chat/wake"): SESSION,

@@ -61,6 +61,19 @@ class NoMirror(LlmgwError):
     """A mirror request on a control plane with no mirror: configured."""
 
 
+class AdminRefused(LlmgwError):
+    """An admin request refused: the status, sentence and code its route answers with."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.code)
+
+
 def dumps(obj: object) -> str:
     return orjson.dumps(obj).decode()
 
@@ -107,7 +120,19 @@ class AdminAPI:
         app.router.add_put("/api/v1/models/{name}/scale", self._api_model_scale)
         app.router.add_get("/api/v1/models/{name}/placement", self._api_model_placement)
 
+    # The public methods answer the reply models (the pages call them in process); each route
+    # reads its request, calls one, and answers its model as JSON or its refusal.
+
+    async def _reply(self, call: Awaitable[BaseModel], status: int = 200) -> web.Response:
+        try:
+            return json_reply(await call, status)
+        except AdminRefused as exc:
+            return exc.response()
+
     async def _api_endpoints(self, request: web.Request) -> web.Response:
+        return await self._reply(self.endpoints())
+
+    async def endpoints(self) -> EndpointsReply:
         now = time.monotonic()
         stale_after = self.s.endpoints.stale_after
         out = []
@@ -130,7 +155,7 @@ class AdminAPI:
                     metrics_stale=stale,
                 )
             )
-        return json_reply(EndpointsReply(endpoints=out))
+        return EndpointsReply(endpoints=out)
 
     def _need_reconciler(self) -> Reconciler:
         if self.s.reconciler is None or self.s.agents is None:
@@ -138,6 +163,9 @@ class AdminAPI:
         return self.s.reconciler
 
     async def _api_nodes(self, request: web.Request) -> web.Response:
+        return await self._reply(self.nodes())
+
+    async def nodes(self) -> NodesReply:
         rec = self._need_reconciler()
         assert self.s.agents is not None
         now = time.time()
@@ -184,7 +212,7 @@ class AdminAPI:
                     shards=dict(n.shards),
                 )
             )
-        return json_reply(NodesReply(nodes=out))
+        return NodesReply(nodes=out)
 
     async def _node_op(self, request: web.Request, op: str) -> web.Response:
         rec = self._need_reconciler()
@@ -206,17 +234,20 @@ class AdminAPI:
         return await self._node_op(request, "drain")
 
     async def _api_replicas(self, request: web.Request) -> web.Response:
+        return await self._reply(self.replicas(request.query.get("model") or None))
+
+    async def replicas(self, model: str | None = None) -> ReplicasReply:
+        """Every replica, or one model's (by its name or an alias)."""
         rec = self._need_reconciler()
-        model = request.query.get("model") or None
         if model is not None:
             entry = self._need_catalog().get(model)
             if entry is None:
-                return error_response(
+                raise AdminRefused(
                     404, f"no model {model} in the catalog; llmgw ctl models lists them", "model_not_found"
                 )
             model = entry.name
         # The reconciler's rows are dicts; they take the wire's shape here.
-        return json_reply(ReplicasReply(replicas=[ReplicaRow.model_validate(r) for r in rec.replica_rows(model)]))
+        return ReplicasReply(replicas=[ReplicaRow.model_validate(r) for r in rec.replica_rows(model)])
 
     async def _api_node_remove(self, request: web.Request) -> web.Response:
         rec = self._need_reconciler()  # it knows what is placed on the node
@@ -227,26 +258,32 @@ class AdminAPI:
         return json_reply(Removed(removed=request.match_info["node"]))
 
     async def _api_node_logs(self, request: web.Request) -> web.Response:
-        """A node's own log or a shard's output, fetched through the agent's stream."""
-        if self.s.agents is None:
-            raise NotControlPlane()
+        return await self._reply(self.node_logs(*self.logs_asked(request)))
+
+    @staticmethod
+    def logs_asked(request: web.Request) -> tuple[str, str | None, int]:
+        """The node, ?source= and ?lines= of a logs request (the route's, or a page's of the same shape).
+        Lines that are not a whole number are 0, which node_logs refuses in the same words."""
         q = request.query
         try:
             lines = int(q.get("lines", "200"))
-            if not 0 < lines <= 100_000:
-                raise ValueError
         except ValueError:
-            return error_response(400, "lines should be a whole number from 1 to 100000", "invalid_request")
+            lines = 0
+        return request.match_info["node"], q.get("source") or None, lines
+
+    async def node_logs(self, node: str, source: str | None = None, lines: int = 200) -> NodeLogs:
+        """A node's own log or a shard's output, fetched through the agent's stream."""
+        if self.s.agents is None:
+            raise NotControlPlane()
+        if not 0 < lines <= 100_000:
+            raise AdminRefused(400, "lines should be a whole number from 1 to 100000", "invalid_request")
         try:
-            reply = await self.s.agents.request(
-                request.match_info["node"], LogsRequest(source=q.get("source") or None, lines=lines), timeout=15
-            )
+            reply = await self.s.agents.request(node, LogsRequest(source=source, lines=lines), timeout=15)
         except AgentServiceError as exc:
-            return error_response(503, str(exc), "node_unavailable")
+            raise AdminRefused(503, str(exc), "node_unavailable") from None
         if isinstance(reply, LogsReply) and not reply.error:
-            return json_reply(NodeLogs(source=reply.source, lines=reply.lines or [], sources=reply.sources))
-        error = reply.error if reply.error else "the agent answered without logs"
-        return error_response(404, error, "no_such_log")
+            return NodeLogs(source=reply.source, lines=reply.lines or [], sources=reply.sources)
+        raise AdminRefused(404, reply.error if reply.error else "the agent answered without logs", "no_such_log")
 
     def _need_catalog(self) -> Catalog:
         if self.s.catalog is None:
@@ -254,6 +291,9 @@ class AdminAPI:
         return self.s.catalog
 
     async def _api_models(self, request: web.Request) -> web.Response:
+        return await self._reply(self.models())
+
+    async def models(self) -> ModelsReply:
         catalog = self._need_catalog()
         rec = self.s.reconciler
         models = []
@@ -262,7 +302,7 @@ class AdminAPI:
             if rec is not None and e.model.managed:
                 m.status = ModelStatus.model_validate(rec.model_status(e.name))
             models.append(m)
-        return json_reply(ModelsReply(models=models, problems=list(catalog.problems)))
+        return ModelsReply(models=models, problems=list(catalog.problems))
 
     async def _api_model_add(self, request: web.Request) -> web.Response:
         catalog = self._need_catalog()
@@ -365,30 +405,29 @@ class AdminAPI:
             raise NoMirror()
         return self.s.mirror
 
-    async def _mirror(self, call: Awaitable[dict[str, Any]]) -> web.Response | dict[str, Any]:
+    async def _mirror(self, call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         try:
             return await call
         except MirrorRefused as exc:
-            return error_response(exc.status if exc.status in (400, 403, 404, 409) else 502, str(exc), "mirror_refused")
+            status = exc.status if exc.status in (400, 403, 404, 409) else 502
+            raise AdminRefused(status, str(exc), "mirror_refused") from None
         except MirrorUnavailable as exc:
-            return error_response(503, str(exc), "mirror_unavailable")
+            raise AdminRefused(503, str(exc), "mirror_unavailable") from None
 
-    async def _mirror_as(self, call: Awaitable[dict[str, Any]], shape: type[Shape]) -> web.Response | Shape:
+    async def _mirror_as(self, call: Awaitable[dict[str, Any]], shape: type[Shape]) -> Shape:
         """The mirror's answer read as ``shape``; one it cannot be read as is the mirror's fault, like no JSON."""
         got = await self._mirror(call)
-        if isinstance(got, web.Response):
-            return got
         try:
             return shape.model_validate(got)
         except ValidationError as exc:
-            return error_response(
+            raise AdminRefused(
                 503,
                 f"the mirror at {self._need_mirror().api} answered in a shape this control "
                 f"plane does not read ({_first_error(exc)})",
                 "mirror_unavailable",
-            )
+            ) from None
 
-    def _users_of(self, model: str, version: str) -> list[str]:
+    def users_of(self, model: str, version: str) -> list[str]:
         """Catalog models whose source lies in this mirror version, compared by path."""
         if self.s.catalog is None:
             return []
@@ -403,13 +442,15 @@ class AdminAPI:
         return out
 
     async def _api_mirror_list(self, request: web.Request) -> web.Response:
+        return await self._reply(self.mirror_list())
+
+    async def mirror_list(self) -> MirrorListing:
+        """What the mirror holds, each version with the catalog models that use it."""
         got = await self._mirror_as(self._need_mirror().list(), MirrorListing)
-        if isinstance(got, web.Response):
-            return got
         for v in got.models or ():
             if v.model and v.version:
-                v.used_by = self._users_of(v.model, v.version)
-        return json_reply(got)
+                v.used_by = self.users_of(v.model, v.version)
+        return got
 
     async def _api_mirror_fetch(self, request: web.Request) -> web.Response:
         self._need_mirror()  # no mirror: said before the body is read
@@ -427,20 +468,18 @@ class AdminAPI:
     async def mirror_fetch(self, req: MirrorFetchRequest) -> web.Response:
         """The fetch itself, as the route and the Mirror page ask it."""
         mirror = self._need_mirror()
-        got = await self._mirror_as(
+        got = self._mirror_as(
             mirror.fetch(req.source, req.model, req.version, as_name=req.as_ or None, anyway=req.anyway), MirrorVersion
         )
-        if isinstance(got, web.Response):
-            return got
-        return json_reply(got, status=202)
+        return await self._reply(got, status=202)
 
     async def _api_mirror_status(self, request: web.Request) -> web.Response:
-        m, v = request.match_info["model"], request.match_info["version"]
+        return await self._reply(self.mirror_status(request.match_info["model"], request.match_info["version"]))
+
+    async def mirror_status(self, m: str, v: str) -> MirrorVersion:
         got = await self._mirror_as(self._need_mirror().status(m, v), MirrorVersion)
-        if isinstance(got, web.Response):
-            return got
-        got.used_by = self._users_of(m, v)
-        return json_reply(got)
+        got.used_by = self.users_of(m, v)
+        return got
 
     async def _api_mirror_remove(self, request: web.Request) -> web.Response:
         m, v = request.match_info["model"], request.match_info["version"]
@@ -449,7 +488,7 @@ class AdminAPI:
     async def mirror_remove(self, m: str, v: str, *, force: bool = False) -> web.Response:
         """Remove a version, refused while a catalog model's source lies in it (unless forced)."""
         mirror = self._need_mirror()
-        users = self._users_of(m, v)
+        users = self.users_of(m, v)
         if users and not force:
             return error_response(
                 409,
@@ -457,9 +496,10 @@ class AdminAPI:
                 "(llmgw ctl model remove), or pass --force",
                 "in_use",
             )
-        got = await self._mirror(mirror.remove(m, v))
-        if isinstance(got, web.Response):
-            return got
+        try:
+            await self._mirror(mirror.remove(m, v))
+        except AdminRefused as exc:
+            return exc.response()
         return json_reply(Removed(removed=f"{m}/{v}"))
 
     async def _api_mirror_serve(self, request: web.Request) -> web.Response:
@@ -481,12 +521,11 @@ class AdminAPI:
         """The catalog model made from a present version, as the route and the Mirror page ask it."""
         mirror = self._need_mirror()
         catalog = self._need_catalog()
-        listing = await self._mirror_as(mirror.list(), MirrorListing)
-        if isinstance(listing, web.Response):
-            return listing
-        status = await self._mirror_as(mirror.status(m, v), MirrorVersion)
-        if isinstance(status, web.Response):
-            return status
+        try:
+            listing = await self._mirror_as(mirror.list(), MirrorListing)
+            status = await self._mirror_as(mirror.status(m, v), MirrorVersion)
+        except AdminRefused as exc:
+            return exc.response()
         try:
             entry = entry_from_version(
                 status,

@@ -1,6 +1,6 @@
 """The administrator's Cluster page (/admin), a page per node (/admin/nodes/{node}) and its logs.
 
-What these pages show comes from the admin API's own handlers (the rows `llmgw ctl
+What these pages show comes from the admin API's own methods (the rows `llmgw ctl
 nodes`, `replicas`, `models`, `logs` and `/api/v1/endpoints` print), read through
 :class:`AdminReads`, so the page and the CLI never disagree; the agents' records add
 what the rows leave out (CPU load, the inventory's GPUs and ports, engine memory).
@@ -18,7 +18,7 @@ endpoints, the people and the usage.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -41,10 +41,11 @@ from llmgw.protocol.admin import (
     ReplicasReply,
     ShardFetch,
 )
-from llmgw.server.admin.api import AdminAPI, NotControlPlane
+from llmgw.server.admin.api import AdminAPI, AdminRefused, NotControlPlane
 from llmgw.server.control.agents import Node
 from llmgw.server.pages.admin_format import FMT, ago, clock, duration, node_href, size
 from llmgw.server.pages.admin_people import PeoplePage
+from llmgw.server.pages.charts import DEFAULT_WINDOW, WINDOWS, cluster_panels, node_panels, window_of
 from llmgw.server.pages.site import Site
 from llmgw.store import Store, Tree
 
@@ -92,45 +93,41 @@ def fragment(request: web.Request) -> bool:
 
 
 class AdminReads:
-    """The admin API's handlers, called in process: the same rows `llmgw ctl` reads."""
+    """The admin API's public methods, called in process: the same rows `llmgw ctl` reads. Each read
+    takes the page's request so the pages call them alike; only ``logs`` reads it."""
 
     def __init__(self, server: Server) -> None:
         self.api = AdminAPI(server)
 
-    async def _read(
-        self, handler: Callable[[web.Request], Awaitable[web.Response]], request: web.Request, shape: type[Shape]
-    ) -> Shape | Refusal | None:
+    @staticmethod
+    async def _read(call: Awaitable[Shape]) -> Shape | Refusal | None:
         """None on a gateway that is not a control plane."""
         try:
-            resp = await handler(request)
+            return await call
         except NotControlPlane:
             return None
-        return answer(resp, shape)  # these reads answer 200 or an error, never another 2xx
-
-    @staticmethod
-    def _plain(request: web.Request, path: str) -> web.Request:
-        # The page's own query (?source=, ?model=...) is not the admin API's.
-        return request.clone(rel_url=path)
+        except AdminRefused as exc:
+            return Refusal(exc.status, exc.message)
 
     async def nodes(self, request: web.Request) -> list[NodeRow] | None:
-        got = await self._read(self.api._api_nodes, self._plain(request, "/api/v1/nodes"), NodesReply)
+        got = await self._read(self.api.nodes())
         return got.nodes if isinstance(got, NodesReply) else None
 
     async def replicas(self, request: web.Request) -> list[ReplicaRow] | None:
-        got = await self._read(self.api._api_replicas, self._plain(request, "/api/v1/replicas"), ReplicasReply)
+        got = await self._read(self.api.replicas())
         return got.replicas if isinstance(got, ReplicasReply) else None
 
     async def models(self, request: web.Request) -> ModelsReply | None:
-        got = await self._read(self.api._api_models, self._plain(request, "/api/v1/models"), ModelsReply)
+        got = await self._read(self.api.models())
         return got if isinstance(got, ModelsReply) else None
 
     async def endpoints(self, request: web.Request) -> list[EndpointRow]:
-        got = await self._read(self.api._api_endpoints, self._plain(request, "/api/v1/endpoints"), EndpointsReply)
+        got = await self._read(self.api.endpoints())
         return got.endpoints if isinstance(got, EndpointsReply) else []
 
     async def logs(self, request: web.Request) -> NodeLogs | Refusal | None:
         """The node's log named by the page's ?source= and ?lines=, exactly as /api/v1/nodes/{node}/logs answers."""
-        return await self._read(self.api._api_node_logs, request, NodeLogs)
+        return await self._read(self.api.node_logs(*self.api.logs_asked(request)))
 
 
 # -- what the pages show -----------------------------------------------------------------------
@@ -383,6 +380,10 @@ def people(tree: Tree) -> People:
 # -- the pages -------------------------------------------------------------------------------
 
 
+def _with_window(path: str, window: str) -> str:
+    return path if window == DEFAULT_WINDOW else path + "?" + urlencode({"window": window})
+
+
 class AdminPages:
     """The administrator's pages: Cluster and the node pages here, People in admin_people."""
 
@@ -409,6 +410,8 @@ class AdminPages:
         replicas = await self.reads.replicas(request) if control else None
         models = await self.reads.models(request) if control else None
         tree = await self.site.store.tree(people=True)
+        window, seconds, words = window_of(request.query.get("window"))
+        history = await self.site.history.charts(cluster_panels(), seconds, words) if control else None
         template = "admin_cluster_live.html" if fragment(request) else "admin_cluster.html"
         return self.site.render.page(
             request,
@@ -422,6 +425,10 @@ class AdminPages:
             endpoints=await self.reads.endpoints(request),
             people=people(tree),
             usage=await usage_last_day(self.site.store, tree),
+            history=history,
+            window=window,
+            windows=WINDOWS,
+            cluster_window=lambda w: _with_window("/admin", w),
             refresh_s=REFRESH_S,
             noscript_refresh_s=NOSCRIPT_REFRESH_S,
         )
@@ -456,6 +463,10 @@ class AdminPages:
         replicas = {
             r.id: replica_line(r) for r in await self.reads.replicas(request) or () if r.id in (row.replicas or ())
         }
+        window, seconds, words = window_of(request.query.get("window"))
+        history = await self.site.history.charts(
+            node_panels(node_id, {rid: r.row.model for rid, r in replicas.items()}), seconds, words
+        )
         template = "admin_node_live.html" if fragment(request) else "admin_node.html"
         return self.site.render.page(
             request,
@@ -471,6 +482,10 @@ class AdminPages:
             shards=sorted(node.shards.values(), key=lambda s: s.shard_id),
             shard_load=shard_load,
             replicas=replicas,
+            history=history,
+            window=window,
+            windows=WINDOWS,
+            node_window=lambda w: _with_window(node_href(node_id), w),
             refresh_s=REFRESH_S,
             noscript_refresh_s=NOSCRIPT_REFRESH_S,
         )

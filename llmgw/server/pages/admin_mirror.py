@@ -1,7 +1,7 @@
 """The administrator's Mirror page (/admin/mirror) and its Hugging Face browser (/admin/mirror/repo).
 
 Mounted only when server.yaml has a ``mirror:`` block. Everything it does goes through the admin
-API's own handlers (``llmgw/server/admin/api.py``, called in process), so the page and ``llmgw ctl
+API's own methods (``llmgw/server/admin/api.py``, called in process), so the page and ``llmgw ctl
 mirror list|fetch|serve|remove`` (``/api/v1/mirror…``) see and do the same:
 
 * **Holdings**: what the mirror holds or is fetching, grouped by model (the mirror's first directory
@@ -34,12 +34,12 @@ from urllib.parse import quote, urlencode
 import httpx
 from aiohttp import web
 
+from llmgw import huggingface as hub
 from llmgw.config.server import DEFAULT_IDLE_TIMEOUT
 from llmgw.gguf import pinned_architectures, pinned_build
 from llmgw.protocol.admin import MirrorServeRequest, ModelReply
 from llmgw.protocol.mirror_api import MirrorFetchRequest, MirrorFile, MirrorListing, MirrorVersion
-from llmgw.server.admin.api import AdminAPI
-from llmgw.server.control.catalog import HF_ENDPOINT
+from llmgw.server.admin.api import AdminAPI, AdminRefused
 from llmgw.server.pages import PageError
 from llmgw.server.pages.admin_cluster import Refusal, answer, fragment
 from llmgw.server.pages.admin_format import FMT, duration
@@ -57,7 +57,6 @@ NOSCRIPT_REFRESH_S = 15
 HF_TIMEOUT_S = 15.0
 HF_MAX_PAGES = 20  # a repository whose listing runs past this many pages is not a model repository
 MAX_FIELD = 1000
-SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
 QUANT = re.compile(
     r"(?<![A-Za-z0-9])(I?Q[1-8](?:_(?:[0-9]+|[A-Z]+))*|BF16|FP16|F16|FP32|F32|MXFP4(?:_MOE)?|TQ[12]_0)(?![A-Za-z0-9])",
     re.I,
@@ -252,27 +251,21 @@ def _dict(value: object) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _size(entry: dict[str, Any]) -> int | None:
-    lfs = _dict(entry.get("lfs"))
-    size = lfs.get("size", entry.get("size"))
-    return size if isinstance(size, int) and not isinstance(size, bool) else None
-
-
-def repo_files(entries: list[dict[str, Any]]) -> tuple[list[RepoFile], list[tuple[str, int | None]]]:
+def repo_files(entries: list[hub.TreeFile]) -> tuple[list[RepoFile], list[tuple[str, int | None]]]:
     """GGUF files (a shard set as one), and every other file, by path."""
     ggufs: list[RepoFile] = []
     sets: dict[tuple[str, str], list[tuple[int, str, int | None]]] = {}
     others: list[tuple[str, int | None]] = []
     for e in entries:
-        path = e["path"]
+        path = e.path
         if not path.lower().endswith(".gguf"):
-            others.append((path, _size(e)))
+            others.append((path, e.size))
             continue
-        m = SHARD.search(path)
+        m = hub.SHARD.search(path)
         if m:
-            sets.setdefault((path[: m.start()], m.group(2)), []).append((int(m.group(1)), path, _size(e)))
+            sets.setdefault((path[: m.start()], m.group(2)), []).append((int(m.group(1)), path, e.size))
         else:
-            ggufs.append(RepoFile(path, path, _size(e), quant_of(path), note=not_a_model(path)))
+            ggufs.append(RepoFile(path, path, e.size, quant_of(path), note=not_a_model(path)))
     for (_, count), parts in sets.items():
         parts.sort()
         sizes = [s for _, _, s in parts]
@@ -294,78 +287,49 @@ def repo_files(entries: list[dict[str, Any]]) -> tuple[list[RepoFile], list[tupl
     return ggufs, others
 
 
-async def _get(client: httpx.AsyncClient, url: str, what: str, endpoint: str) -> httpx.Response:
-    try:
-        resp = await client.get(url)
-    except httpx.HTTPError as exc:
-        raise RegistryError(
-            f"{endpoint} could not be reached ({type(exc).__name__}: {exc or 'no answer'}); "
-            "check mirror.registry in server.yaml and this machine's network."
-        ) from None
-    if resp.status_code in (401, 403):
-        raise RegistryError(f"{what} is gated or private on {endpoint}: it cannot be listed without a token.")
-    if resp.status_code == 404:
-        raise RegistryError(f"{what} was not found on {endpoint}; check the name (ORG/NAME).")
-    if resp.status_code >= 400:
-        raise RegistryError(f"{endpoint} answered {resp.status_code} {resp.reason_phrase} for {what}; try again later.")
-    return resp
-
-
-def _json(resp: httpx.Response, endpoint: str) -> Any:
-    try:
-        return resp.json()
-    except ValueError:
-        raise RegistryError(f"{endpoint} did not answer with JSON; is it a Hugging Face API?") from None
+# The registry's failures in the page's words: what to check is mirror.registry in server.yaml.
+_WORDING: dict[hub.Kind, str] = {
+    "unreachable": "{endpoint} could not be reached ({error}); "
+    "check mirror.registry in server.yaml and this machine's network.",
+    "denied": "{what} is gated or private on {endpoint}: it cannot be listed without a token.",
+    "missing": "{what} was not found on {endpoint}; check the name (ORG/NAME).",
+    "status": "{endpoint} answered {status} {reason} for {what}; try again later.",
+    "not-json": "{endpoint} did not answer with JSON; is it a Hugging Face API?",
+    "not-described": "{endpoint} did not describe {what}; is it a Hugging Face API?",
+    "not-listing": "{endpoint} did not answer {what}'s files with a listing.",
+    "too-long": "the listing of {what} runs past {pages} pages; is it a model?",
+}
 
 
 async def read_repo(endpoint: str, repo: str, transport: httpx.AsyncBaseTransport | None = None) -> RepoView:
     """The repository's facts (/api/models/ORG/NAME) and files (…/tree/main, every page of it)."""
     base = endpoint.rstrip("/")
-    what = f"hf:{repo}"
     view = RepoView(repo, base)
     async with httpx.AsyncClient(timeout=HF_TIMEOUT_S, follow_redirects=True, transport=transport) as client:
-        info = _json(await _get(client, f"{base}/api/models/{repo}", what, base), base)
-        if not isinstance(info, dict):
-            raise RegistryError(f"{base} did not describe {what}; is it a Hugging Face API?")
-        sha = info.get("sha")
-        view.commit = sha if isinstance(sha, str) else ""
-        gated = info.get("gated")
-        view.gated = gated.strip().lower() not in ("", "false") if isinstance(gated, str) else bool(gated)
-        meta = _dict(info.get("gguf"))
-        arch = meta.get("architecture")
-        if isinstance(arch, str) and arch:
-            view.architecture = arch
-            known = pinned_architectures()
-            view.loadable = (arch in known) if known else None
-        ctx = meta.get("context_length")
-        view.context = ctx if isinstance(ctx, int) and not isinstance(ctx, bool) else None
-        card = _dict(info.get("cardData"))
-        lic = card.get("license")
-        view.license = lic if isinstance(lic, str) else ""
-        dl = info.get("downloads")
-        view.downloads = dl if isinstance(dl, int) and not isinstance(dl, bool) else None
-        mod = info.get("lastModified")
-        view.modified = mod[:10] if isinstance(mod, str) else ""
-        entries: list[dict[str, Any]] = []
-        url: str | None = f"{base}/api/models/{repo}/tree/main?recursive=true"
-        for _ in range(HF_MAX_PAGES):
-            if url is None:
-                break
-            resp = await _get(client, url, what, base)
-            page = _json(resp, base)
-            if not isinstance(page, list):
-                raise RegistryError(f"{base} did not answer {what}'s files with a listing.")
-            entries += [
-                e
-                for e in page
-                if isinstance(e, dict) and e.get("type", "file") == "file" and isinstance(e.get("path"), str)
-            ]
-            nxt = resp.links.get("next", {}).get("url")
-            url = str(resp.url.join(nxt)) if nxt else None
-        else:
-            if url is not None:
-                raise RegistryError(f"the listing of {what} runs past {HF_MAX_PAGES} pages; is it a model?")
-    view.ggufs, view.others = repo_files(entries)
+        try:
+            info = await hub.model_info(client, base, repo)
+            files = await hub.tree(client, base, repo, "main", max_pages=HF_MAX_PAGES)
+        except hub.HFError as exc:
+            raise RegistryError(exc.worded(_WORDING, what=f"hf:{repo}", pages=HF_MAX_PAGES)) from None
+    sha = info.get("sha")
+    view.commit = sha if isinstance(sha, str) else ""
+    view.gated = hub.is_gated(info.get("gated"))
+    meta = _dict(info.get("gguf"))
+    arch = meta.get("architecture")
+    if isinstance(arch, str) and arch:
+        view.architecture = arch
+        known = pinned_architectures()
+        view.loadable = (arch in known) if known else None
+    ctx = meta.get("context_length")
+    view.context = ctx if isinstance(ctx, int) and not isinstance(ctx, bool) else None
+    card = _dict(info.get("cardData"))
+    lic = card.get("license")
+    view.license = lic if isinstance(lic, str) else ""
+    dl = info.get("downloads")
+    view.downloads = dl if isinstance(dl, int) and not isinstance(dl, bool) else None
+    mod = info.get("lastModified")
+    view.modified = mod[:10] if isinstance(mod, str) else ""
+    view.ggufs, view.others = repo_files(files)
     return view
 
 
@@ -407,7 +371,7 @@ class MirrorPages:
     @property
     def registry(self) -> str:
         m = self.server.config.mirror
-        return m.registry if m is not None and m.registry else HF_ENDPOINT
+        return m.registry if m is not None and m.registry else hub.DEFAULT_ENDPOINT
 
     def _runs(self, name: str) -> str:
         catalog = self.server.catalog
@@ -447,9 +411,12 @@ class MirrorPages:
         refused: str = "",  # the fetch's refusal, shown under its form
         confirm: tuple[str, str, str] | None = None,  # (model, version, the API's sentence): remove anyway?
     ) -> web.Response:
-        got = answer(await self.api._api_mirror_list(request), MirrorListing)
-        listing = got if isinstance(got, MirrorListing) else None
-        unreachable = got.message if isinstance(got, Refusal) else ""
+        listing: MirrorListing | None = None
+        unreachable = ""
+        try:
+            listing = await self.api.mirror_list()
+        except AdminRefused as exc:  # the mirror is unreachable or answered nonsense: said on the page
+            unreachable = exc.message
         fams = families(listing, self._runs) if listing is not None else []
         fetching, failed = arriving(listing) if listing is not None else ([], [])
         q = request.query
@@ -537,7 +504,7 @@ class MirrorPages:
         if resp.status >= 300:
             refusal = answer(resp, MirrorVersion)
             assert isinstance(refusal, Refusal)
-            if resp.status == 409 and self.api._users_of(m, v):
+            if resp.status == 409 and self.api.users_of(m, v):
                 return await self._render(request, 409, confirm=(m, v, refusal.message))
             return await self._render(request, refusal.status, problem=f"{m}/{v} was not removed: {refusal.message}")
         return redirect(request, f"{PATH}?{urlencode({'said': 'removed', 'm': m, 'v': v})}")

@@ -11,6 +11,12 @@ engine's connection, so the engine stops too. When a reply ends the page asks
 unsafe links emptied (:mod:`llmgw.server.pages.markdown`). The conversation is
 kept in the browser's storage; the gateway keeps none.
 
+Without script the same form posts to ``/chat`` (the session's CSRF token in the
+form): the turn goes through the same path unstreamed, and the page comes back
+with the conversation so far, the reply rendered, and the conversation carried
+in a hidden field of the next form (so it lasts as long as the page; the gateway
+still keeps none).
+
 An on-demand model that is not loaded is woken first: ``POST /chat/wake`` does
 what a first request for it does (the gateway's ``touch`` and the reconciler's
 ``wait_ready``, here without waiting) and answers at once; the page then polls
@@ -23,6 +29,7 @@ control plane every model is always loaded.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +52,7 @@ from llmgw.store import Tree
 PAGE_MAX_TOKENS = 4096
 MAX_MESSAGES = 200
 MAX_RENDER_BYTES = 256 * 1024
+FORM_FIELDS = ("model", "project", "system", "temperature", "message")  # a no-script turn's form
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,80 @@ async def _posted(request: web.Request, what: str) -> dict[str, Any] | web.Respo
     if not isinstance(data, dict):
         return _error(400, f"the page sent something that is not {what}; reload it")
     return data
+
+
+def _message_of(resp: web.Response) -> str:
+    """The sentence of an error answer in OpenAI's shape (the gateway's and this page's own)."""
+    try:
+        return str(orjson.loads(resp.body or b"")["error"]["message"])  # type: ignore[arg-type]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return f"the gateway answered {resp.status}"
+
+
+def read_history(raw: str) -> list[dict[str, Any]] | None:
+    """The conversation a no-script form carries back: user and assistant turns, or None when it is
+    not one (the person's own words, so nothing more is trusted from it than from an API client)."""
+    if not raw:
+        return []
+    if len(raw) > MAX_RENDER_BYTES * 4:
+        return None
+    try:
+        turns = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(turns, list) or len(turns) >= MAX_MESSAGES:
+        return None
+    out: list[dict[str, Any]] = []
+    for t in turns:
+        if (
+            not isinstance(t, dict)
+            or t.get("role") not in ("user", "assistant")
+            or not isinstance(t.get("content"), str)
+        ):
+            return None
+        out.append({"role": t["role"], "content": t["content"]})
+    return out
+
+
+def whole_reply(resp: web.StreamResponse) -> tuple[str, int | None] | str:
+    """An unstreamed chat completion's text and completion tokens, or the sentence saying why there is none."""
+    if not isinstance(resp, web.Response) or resp.body is None:
+        return "the gateway's answer could not be read; try again"
+    try:
+        data = orjson.loads(resp.body)  # type: ignore[arg-type]
+    except orjson.JSONDecodeError:
+        return f"the model's engine answered {resp.status} with something other than JSON"
+    if resp.status >= 400 or not isinstance(data, dict) or "choices" not in data:
+        return _message_of(resp)
+    try:
+        text = data["choices"][0]["message"]["content"] or ""
+    except (KeyError, IndexError, TypeError):
+        return "the model's answer held no message"
+    usage = data.get("usage") or {}
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return str(text), tokens if isinstance(tokens, int) else None
+
+
+def _latency(s: float) -> str:
+    if s < 1:
+        return f"{round(s * 1000)} ms"
+    if s < 60:
+        return f"{s:.1f} s"
+    return f"{int(s // 60)}m {round(s % 60)}s"
+
+
+def figure_words(f: dict[str, Any] | None) -> str:
+    """Under a reply: its tokens, tokens per second and total time (as chat.js writes them)."""
+    if not f:
+        return ""
+    parts = []
+    if f.get("tokens") is not None:
+        parts.append(f"{f['tokens']} tokens")
+    if f.get("tps") is not None:
+        parts.append(f"{f['tps']:.1f} tokens/s")
+    if f.get("total") is not None:
+        parts.append(f"total {_latency(f['total'])}")
+    return " · ".join(parts)
 
 
 # -- an on-demand model's loading, from the replica rows -------------------------------------------
@@ -173,6 +255,7 @@ class ChatPage:
     def add_routes(self) -> None:
         self.site.menu.add("Chat", "/chat")
         self.site.route("GET", "/chat", "session", self.page)
+        self.site.route("POST", "/chat", "session", self.send_form)
         self.site.route("POST", "/chat/send", "session", self.send)
         self.site.route("POST", "/chat/render", "session", self.render)
         self.site.route("POST", "/chat/wake", "session", self.wake)
@@ -190,23 +273,11 @@ class ChatPage:
         return out
 
     async def page(self, request: web.Request) -> web.StreamResponse:
-        visitor = current(request)
-        assert visitor is not None
-        tree = await self.site.store.tenancy_snapshot()
-        return self.site.render.page(
-            request,
-            "chat.html",
-            models=self.models(),
-            choices=spend_choices(tree, visitor.user.id),
-            max_tokens=PAGE_MAX_TOKENS,
-        )
+        return await self._page(request, {}, [], "", 200)
 
-    async def send(self, request: web.Request) -> web.StreamResponse:
-        visitor = current(request)
-        assert visitor is not None
-        data = await _posted(request, "a turn")
-        if isinstance(data, web.Response):
-            return data
+    def _turn(self, data: dict[str, Any], stream: bool) -> dict[str, Any] | web.Response:
+        """The chat completion a turn asks for (the page's model, conversation, system prompt and
+        temperature), or the 400 saying what was wrong with it."""
         model = data.get("model")
         messages = data.get("messages")
         if not isinstance(model, str) or not model:
@@ -229,24 +300,98 @@ class ChatPage:
             temperature = float(data.get("temperature", 0.7))
         except (TypeError, ValueError):
             temperature = 0.7
+        if temperature != temperature:  # NaN compares unequal to itself
+            temperature = 0.7
         temperature = min(2.0, max(0.0, temperature))  # held to 0-2 whatever the page sends
-        principal = await self._principal(visitor, data.get("project"))
-        if isinstance(principal, web.Response):
-            return principal
         # The page's ceiling, lowered to the model's max_output (the gateway refuses more than that).
         served = self.gateway.models.get(model)
         max_tokens = PAGE_MAX_TOKENS
         if served is not None and served.max_output is not None:
             max_tokens = min(max_tokens, served.max_output)
-        body = {
+        body: dict[str, Any] = {
             "model": model,
             "messages": turns,
             "temperature": temperature,
             "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": stream,
         }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        visitor = current(request)
+        assert visitor is not None
+        data = await _posted(request, "a turn")
+        if isinstance(data, web.Response):
+            return data
+        body = self._turn(data, stream=True)
+        if isinstance(body, web.Response):
+            return body
+        principal = await self._principal(visitor, data.get("project"))
+        if isinstance(principal, web.Response):
+            return principal
         return await self.gateway.serve_as(request, CHAT, principal, orjson.dumps(body))
+
+    async def send_form(self, request: web.Request) -> web.StreamResponse:
+        """A turn posted as a plain form (no script): answered whole, with the page around it."""
+        visitor = current(request)
+        assert visitor is not None
+        form = await request.post()
+        said = {k: str(form.get(k, "")) for k in FORM_FIELDS}
+        history = read_history(str(form.get("history", "")))
+        asked = said["message"].strip()
+        if history is None:
+            return await self._page(
+                request, said, [], "The conversation sent with the form could not be read; start a new one.", 400
+            )
+        if not asked:
+            return await self._page(request, said, history, "Write a message first.", 400)
+        conversation = [*history, {"role": "user", "content": asked}]
+        data = {**said, "messages": conversation}
+        body = self._turn(data, stream=False)
+        if isinstance(body, web.Response):
+            return await self._page(request, said, history, _message_of(body), body.status)
+        principal = await self._principal(visitor, said["project"])
+        if isinstance(principal, web.Response):
+            return await self._page(request, said, history, _message_of(principal), principal.status)
+        t0 = time.monotonic()
+        resp = await self.gateway.serve_as(request, CHAT, principal, orjson.dumps(body))
+        total = time.monotonic() - t0
+        reply = whole_reply(resp)
+        if isinstance(reply, str):
+            return await self._page(request, said, history, reply, 502 if resp.status < 400 else resp.status)
+        text, tokens = reply
+        figures = {"tokens": tokens, "total": total, "tps": tokens / total if tokens and total > 0 else None}
+        conversation.append({"role": "assistant", "content": text, "figures": figures})
+        return await self._page(request, {**said, "message": ""}, conversation, "", 200)
+
+    async def _page(
+        self,
+        request: web.Request,
+        said: dict[str, str],
+        conversation: list[dict[str, Any]],
+        problem: str,
+        status: int,
+    ) -> web.StreamResponse:
+        visitor = current(request)
+        assert visitor is not None
+        tree = await self.site.store.tenancy_snapshot()
+        return self.site.render.page(
+            request,
+            "chat.html",
+            status,
+            models=self.models(),
+            choices=spend_choices(tree, visitor.user.id),
+            max_tokens=PAGE_MAX_TOKENS,
+            said={k: said.get(k, "") for k in FORM_FIELDS},
+            problem=problem,
+            turns=[
+                {**t, "html": render_markdown(t["content"]) if t["role"] == "assistant" else ""} for t in conversation
+            ],
+            history=orjson.dumps([{"role": t["role"], "content": t["content"]} for t in conversation]).decode(),
+            figures=figure_words,
+        )
 
     async def _principal(self, visitor: Visitor, project: object) -> Principal | web.Response:
         """The person spending against one of their projects (by id), or on their own (empty)."""

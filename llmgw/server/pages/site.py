@@ -13,6 +13,7 @@ from aiohttp import web
 
 from llmgw.config.server import ServerConfig
 from llmgw.server.pages.assets import Assets
+from llmgw.server.pages.charts import Prometheus
 from llmgw.server.pages.render import Menu, Renderer
 from llmgw.server.pages.session import Sessions, current, local_target, redirect
 from llmgw.signin_limit import SigninLimiter
@@ -43,6 +44,7 @@ class Site:
         self.render = Renderer(self.assets, self.menu)
         self.sessions = Sessions(store, config.auth.session_ttl)
         self.limiter = SigninLimiter()
+        self.history = Prometheus(config.monitoring.prometheus)  # the charts' source (monitoring.prometheus)
         self.guards: dict[tuple[str, str], str] = {}  # (method, path) -> open | session | admin
         self._routes: list[tuple[str, str, Handler]] = []
 
@@ -63,6 +65,10 @@ class Site:
         for method, path, handler in self._routes:
             app.router.add_route(method, path, handler)
         self.assets.add_routes(app)
+        app.on_cleanup.append(self._close)
+
+    async def _close(self, _app: web.Application) -> None:
+        await self.history.close()
 
     def refuse(self, request: web.Request, status: int, message: str) -> web.StreamResponse:
         if request.content_type == "application/json" or request.path.startswith("/chat/"):

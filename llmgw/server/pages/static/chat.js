@@ -1,7 +1,7 @@
 // The chat page: streams a reply from /chat/send, Send becomes Stop, figures under each reply,
 // the conversation kept in this browser's storage. Replies are shown as text while they stream
 // and then as the HTML the server rendered (raw HTML dropped there); nothing a model wrote is
-// ever put into the page as HTML by this script. An on-demand model that is not loaded is woken
+// ever put into the page as HTML by this script; maths in it is typeset with KaTeX. An on-demand model that is not loaded is woken
 // first (/chat/wake), polled every second (/chat/model-status) with its state in the status line,
 // and the message is sent once it serves.
 "use strict";
@@ -59,8 +59,23 @@
         method: "POST", headers: { "Content-Type": "application/json", "X-CSRF-Token": csrf },
         body: JSON.stringify({ text }),
       });
-      if (r.ok) body.innerHTML = (await r.json()).html;  // the server's HTML: raw HTML already dropped
+      if (r.ok) {
+        body.innerHTML = (await r.json()).html;  // the server's HTML: raw HTML already dropped
+        typeset(body);
+      }
     } catch (e) { /* it stays as text */ }
+  }
+
+  // The maths the server set aside (.math, its TeX as text) typeset by the vendored KaTeX as MathML:
+  // no fonts and no inline styles, which the pages' Content-Security-Policy would refuse. KaTeX's
+  // defaults keep \href and the like off (trust: false), so maths cannot carry a link.
+  function typeset(el) {
+    if (typeof katex === "undefined") return;
+    for (const m of el.querySelectorAll(".math")) {
+      try {
+        katex.render(m.textContent, m, { displayMode: m.classList.contains("display"), output: "mathml", throwOnError: false });
+      } catch (e) { /* it stays as TeX */ }
+    }
   }
 
   function redraw() {
@@ -250,7 +265,7 @@
     message.value = "";
     ask(text);
   });
-  $("new").addEventListener("click", () => { state = { turns: [] }; save(); redraw(); });
+  $("new").addEventListener("click", (ev) => { ev.preventDefault(); state = { turns: [] }; save(); redraw(); });
   $("model").addEventListener("change", note);
   if ($("project")) $("project").addEventListener("change", note);
   redraw();
