@@ -412,6 +412,13 @@ class AuthConfig(_Block):
         ge=1,
         description="Tokens per minute for a key no level limits; counted per key, never a shared pool. null: no default.",
     )
+    shared_limits: bool | None = Field(
+        default=None,
+        description="Hold requests and tokens per minute and budgets across every gateway on this store, "
+        "not once per process: each gateway leases shares of a pool's limit from the store (docs/gateway.md, "
+        "Limits across gateways). null: on when the store is PostgreSQL; true also on SQLite (two processes "
+        "on one file); false: each gateway counts alone.",
+    )
     signup_open: bool = Field(
         default=False,
         description="Let anyone create an account at /signup; it waits, pending, until an administrator approves it.",
@@ -649,6 +656,12 @@ class ControlConfig(_Block):
         default=600.0,
         description="How long a request to an on-demand model with no replica waits for one to load before a 503.",
     )
+    lease_ttl: Duration | None = Field(
+        default=None,
+        description="Leadership as a lease in the store, for two control planes on one PostgreSQL store: the "
+        "lease lasts this long and is renewed every third of it; the other waits as a standby and takes over "
+        "within it when the leader dies (at once when it stops cleanly). null: this control plane always leads.",
+    )
 
     @field_validator("engine_ports")
     @classmethod
@@ -674,6 +687,9 @@ class ControlConfig(_Block):
             raise ValueError(
                 f"max_backoff ({self.max_backoff:g}s) is shorter than base_backoff ({self.base_backoff:g}s)"
             )
+        if self.lease_ttl is not None and self.lease_ttl < 1.5:
+            # Renewed every third of it: a shorter lease would have to be renewed faster than a store answers.
+            raise ValueError(f"lease_ttl ({self.lease_ttl:g}s) must be at least 1.5s; 10s is a good start")
         return self
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from llmgw import __version__
 from llmgw.config.server import EndpointConfig, ServerConfig
@@ -28,12 +29,15 @@ from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
 from llmgw.server.control.agents import AgentService
 from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_file_url
 from llmgw.server.control.fleet_metrics import FleetCollector
+from llmgw.server.control.leadership import Leadership, LeadershipCollector, holder_words
 from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.reconciler import Reconciler
+from llmgw.server.control.shared_endpoints import SharedEndpoints
 from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet, read_endpoint_key
 from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.proxy import Gateway
+from llmgw.server.gateway.shared_limits import SharedLimits, shared_limits_for
 from llmgw.server.gateway.usage import JournalError, UsageRecorder
 from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
 from llmgw.server.metrics import GatewayMetrics
@@ -44,7 +48,7 @@ from llmgw.server.pages.chat import ChatPage
 from llmgw.server.pages.claim import ClaimPage
 from llmgw.server.pages.profile import ProfilePage
 from llmgw.server.pages.site import Site
-from llmgw.store import Store
+from llmgw.store import PublishedEndpoint, Store
 
 log = logging.getLogger("llmgw.server")
 
@@ -68,6 +72,7 @@ class Server:
         self.store: Store | None = None
         self.keys: KeyCache | None = None
         self.usage: UsageRecorder | None = None
+        self.shared_limits: SharedLimits | None = None  # limits held across gateways on one store
         self.metrics = GatewayMetrics()
         eps = [
             Endpoint(
@@ -91,6 +96,9 @@ class Server:
         self.agents: AgentService | None = None
         self.catalog: Catalog | None = None
         self.reconciler: Reconciler | None = None
+        self.leadership: Leadership | None = None
+        self.shared: SharedEndpoints | None = None
+        self._leading_lock = asyncio.Lock()
         self.mirror: MirrorClient | None = None
         self._runners: list[web.AppRunner] = []
         self.started_at = time.time()
@@ -110,10 +118,12 @@ class Server:
             await self.store.close()
             self.store = None
             raise StartError(str(exc)) from None
+        # Limits held across gateways on this store: its tally counts the usage rows written.
+        self.shared_limits = shared_limits_for(cfg.auth, self.store, self.metrics.registry)
         # Before anything serves or reads usage: rows an earlier run could not write, so the
         # budgets restored below count them.
         self.usage = UsageRecorder(
-            self.store,
+            self.shared_limits.tally if self.shared_limits is not None else self.store,
             cfg.usage.flush_interval,
             cfg.usage.batch_size,
             cfg.usage.queue_limit,
@@ -141,7 +151,11 @@ class Server:
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
         if self.gateway.accountant is not None:
+            if self.shared_limits is not None:
+                await self.shared_limits.read_baseline()  # before the usage rows that hold it
             await self._restore_budgets()
+            if self.shared_limits is not None:
+                await self.shared_limits.start(self.gateway.accountant)
         if self.catalog is not None:
             self.models_changed()
         await self.gateway.start()
@@ -157,9 +171,28 @@ class Server:
                 agent_app = self._agent_app()
                 assert self.agents is not None and self.catalog is not None
                 self.reconciler = Reconciler(cfg, self.catalog, self.agents, self.endpoints, self.store)
-                self.gateway.demand = self.reconciler
-                await self.reconciler.start()
                 rec = self.reconciler
+                assert self.leadership is not None
+                await self.leadership.start()
+                if self.leadership.is_leader():
+                    await self._lead(True)
+                self.leadership.on_change(self._lead)
+                self.metrics.watch_fleet(LeadershipCollector(self.leadership))
+                if self.leadership.enabled:
+                    self.shared = SharedEndpoints(
+                        self.store,
+                        self.leadership,
+                        self.endpoints,
+                        lambda: [
+                            PublishedEndpoint(r.id, r.model, r.endpoint.url, r.engine, r.api_key)
+                            for r in rec.replicas.values()
+                            if r.endpoint is not None
+                        ],
+                        settle=rec.settle,
+                        breaker=(cfg.router.breaker.failures, cfg.router.breaker.cooldown),
+                        follow_catalog=self._follow_catalog,
+                    )
+                    await self.shared.start()
                 self.metrics.watch_fleet(
                     FleetCollector(self.agents, lambda: list(rec.replicas.values()), lambda: dict(rec.marks))
                 )
@@ -190,6 +223,11 @@ class Server:
             # Engines keep running: a control plane that stops leaves its fleet serving,
             # and adopts it again when it comes back.
             await self.reconciler.stop()
+        if self.shared is not None:
+            await self.shared.stop()
+        if self.leadership is not None:
+            # Released now, so a standby takes over within a third of the TTL, not the whole of it.
+            await self.leadership.stop()
         await drain(self._runners)
         self._runners = []
         await self.endpoints.stop()
@@ -199,6 +237,9 @@ class Server:
             await self.gateway.stop()
         if self.usage is not None:
             await self.usage.stop()
+        if self.shared_limits is not None:
+            await self.shared_limits.stop()
+            self.shared_limits = None
         if self.store is not None:
             await self.store.close()
             self.store = None
@@ -320,7 +361,9 @@ class Server:
     def _admin_app(self) -> web.Application:
         assert self.store is not None
         # The guard comes first: without a credential not even an unknown path is told apart.
-        app = web.Application(middlewares=[AdminAccess(self.store, self.config).guard.middleware(), _json_errors])
+        app = web.Application(
+            middlewares=[AdminAccess(self.store, self.config).guard.middleware(), _standby_writes(self), _json_errors]
+        )
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/metrics", self._metrics)
@@ -359,7 +402,9 @@ class Server:
     def _agent_app(self) -> web.Application:
         c = self.config.control
         mtls = self.config.agent_tls is not None
+        self.leadership = Leadership(self.store, c.lease_ttl, holder_words(self.config.admin_listen))
         self.agents = AgentService(
+            leadership=self.leadership if self.leadership.enabled else None,
             identity=_certificate_node if mtls else None,
             require_identity=mtls,
             unreachable_after=c.unreachable_after,
@@ -376,10 +421,52 @@ class Server:
         self.apps["metrics_listen"] = app
         return app
 
+    async def _lead(self, leading: bool) -> None:
+        """Start or stop acting as the leader: placing, on-demand loading, agents' streams."""
+        assert self.reconciler is not None and self.gateway is not None and self.agents is not None
+        async with self._leading_lock:
+            if leading:
+                if self.leadership is not None and self.leadership.enabled:
+                    await self._follow_catalog()  # as the previous leader left it
+                self.gateway.demand = self.reconciler
+                await self.reconciler.start()
+            else:
+                # A standby loads nothing on demand: only the leader places replicas.
+                self.gateway.demand = None
+                await self.reconciler.stop()
+                # What it ran is the new leader's now: served from the list the leader publishes.
+                self.reconciler.forget()
+                await self.agents.check()  # closes the agents' streams so they move to the leader
+
+    async def _follow_catalog(self) -> None:
+        """Read the catalog again (another control plane may have changed it); the gateway and
+        the reconciler hear of it only when a model changed."""
+        assert self.catalog is not None
+        before = [e.model.model_dump_json() for e in self.catalog.models()]
+        try:
+            await self.catalog.load()
+        except Exception as exc:  # the store away: the catalog stays as it was
+            log.warning("could not read the catalog from the store: %s", exc)
+            return
+        if [e.model.model_dump_json() for e in self.catalog.models()] != before:
+            self.models_changed()
+
+    def standby_reason(self) -> str | None:
+        """Why this process takes no control-plane work, or None when it leads (or is no control plane)."""
+        lead = self.leadership
+        if lead is None or lead.is_leader():
+            return None
+        who = lead.leader_holder
+        return "this control plane is a standby; " + (f"{who} leads" if who else "no control plane leads right now")
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": __version__}, dumps=dumps)
 
     async def _ready(self, request: web.Request) -> web.Response:
+        standby = self.standby_reason()
+        if standby is not None:
+            # A load balancer or keepalived sends clients to the leader (deploy/ha/).
+            return web.json_response({"status": "standby", "reason": standby}, status=503, dumps=dumps)
         if self.endpoints.any_ready():
             return web.json_response({"status": "ready"}, dumps=dumps)
         return web.json_response(
@@ -410,6 +497,23 @@ async def _server_timing(
     if not resp.prepared and "Server-Timing" not in resp.headers:
         resp.headers["Server-Timing"] = f"gateway;dur={(time.perf_counter() - t0) * 1000:.3f}"
     return resp
+
+
+def _standby_writes(server: Server) -> Middleware:
+    """A standby changes nothing through the admin API: the leader's copy of the fleet and the
+    catalog is the one that acts, so a write here would be lost or fought over."""
+
+    @web.middleware
+    async def refuse(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            standby = server.standby_reason()
+            if standby is not None:
+                return error_response(503, f"{standby}: send changes to its admin API", "standby")
+        return await handler(request)
+
+    return refuse
 
 
 @web.middleware

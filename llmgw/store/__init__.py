@@ -12,6 +12,7 @@ from .errors import (
     mask_password,
 )
 from .keyrows import hash_secret
+from .leases import Lease, PublishedEndpoint
 from .records import (
     CostRow,
     IssuedKey,
@@ -36,12 +37,14 @@ __all__ = [
     "KeyAlreadyRevoked",
     "KeyNotFound",
     "KeyRecord",
+    "Lease",
     "LimitRecord",
     "Membership",
     "NotFound",
     "NotMember",
     "Org",
     "Project",
+    "PublishedEndpoint",
     "SessionRecord",
     "Store",
     "StoreError",

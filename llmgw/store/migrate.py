@@ -33,6 +33,16 @@ _PG_LOCK_ID = 0x6C6C6D67770001
 _loop_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
+def revisions() -> tuple[str, set[str]]:
+    """This llmgw's schema revision (the migrations' head) and every revision it knows."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(MIGRATIONS_DIR))
+    head = script.get_current_head()
+    assert head is not None  # the migrations are one line of revisions
+    return head, {s.revision for s in script.walk_revisions()}
+
+
 def _in_process_lock() -> asyncio.Lock:
     loop = asyncio.get_running_loop()
     lock = _loop_locks.get(loop)

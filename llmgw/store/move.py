@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from alembic.script import ScriptDirectory
 from sqlalchemy import Integer, Table, delete, event, func, inspect, literal, select, text
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError
@@ -26,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from .address import _SCHEME_RE, _read_address_file, resolve_store_address
 from .errors import StoreError, mask_password
-from .migrate import MIGRATIONS_DIR, WRITE, upgrade_to_head
+from .migrate import WRITE, revisions, upgrade_to_head
 from .schema import metadata, store_state
 from .store import SQLITE_BUSY_TIMEOUT_S, _create_engine, _shown_address
 
@@ -179,20 +178,13 @@ def _layout(conn: Connection) -> dict[str, list[str]]:
     return {t: [c["name"] for c in insp.get_columns(t)] for t in insp.get_table_names()}
 
 
-def _revisions() -> tuple[str, set[str]]:
-    script = ScriptDirectory(str(MIGRATIONS_DIR))
-    head = script.get_current_head()
-    assert head is not None  # the migrations are one line of revisions
-    return head, {s.revision for s in script.walk_revisions()}
-
-
 async def _check_source(src: AsyncConnection, url: str, shown: str) -> None:
     await _refuse_if_in_use(src, url, shown)
     layout = await src.run_sync(_layout)
     version = await src.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}")) if VERSION_TABLE in layout else None
     if version is None:
         raise StoreError(f"{shown} is not an llmgw store (it holds no schema version); check --from.")
-    head, known = _revisions()
+    head, known = revisions()
     if version != head:
         if version in known:
             raise StoreError(

@@ -249,3 +249,66 @@ limit_changes = Table(
 # Every change to keys, the tree, people, memberships or limits runs this in its
 # transaction; a server polls the counter and reloads its keys when it moves.
 BUMP_GENERATION = update(store_state).where(store_state.c.name == KEYS_GENERATION).values(value=store_state.c.value + 1)
+
+# A named claim with an expiry (0008): control-plane leadership. Times are seconds since the
+# epoch by the database's clock (see leases.py).
+leases = Table(
+    "leases",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("owner", String(64), nullable=False),
+    Column("holder", Text, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("renewed_at", Float, nullable=False),
+)
+
+# The ready replicas' endpoints as the leading control plane last published them (0008): a
+# standby's gateway serves them while it does not lead.
+replica_endpoints = Table(
+    "replica_endpoints",
+    metadata,
+    Column("replica_id", String(64), primary_key=True),
+    Column("model", String(200), nullable=False),
+    Column("url", Text, nullable=False),
+    Column("engine", String(32), nullable=False),
+    Column("api_key", Text, nullable=True),
+    Column("published_at", UTCDateTime, nullable=False),
+)
+
+# -- shared limits (0009) -----------------------------------------------------------
+# Gateways on one store enforce rate limits together (allowance.py): each holds a share of a
+# pool's per-minute allowance, leased from here; a pool's row is the lock its claims take.
+# Times are seconds since the epoch by the database's clock.
+rate_pools = Table(
+    "rate_pools",
+    metadata,
+    Column("pool_key", String(200), primary_key=True),
+    Column("kind", String(8), primary_key=True),  # rpm | tpm
+)
+
+rate_shares = Table(
+    "rate_shares",
+    metadata,
+    Column("pool_key", String(200), primary_key=True),
+    Column("kind", String(8), primary_key=True),
+    Column("gateway", String(64), primary_key=True),  # random per gateway process
+    Column("share", BigInteger, nullable=False),
+    # Renewed by its gateway; counted until TAIL_S after it (what was admitted under it ages out).
+    Column("expires_at", Float, nullable=False),
+    Index("ix_rate_shares_gateway", "gateway"),
+)
+
+# What each gateway process spent, per pool, in the UTC day and month named by its keys
+# (absolute totals since that process started); the others read it to keep budgets together.
+gateway_spend = Table(
+    "gateway_spend",
+    metadata,
+    Column("gateway", String(64), primary_key=True),
+    Column("pool_key", String(200), primary_key=True),
+    Column("day_key", Integer, nullable=False),
+    Column("day_micros", BigInteger, nullable=False),
+    Column("month_key", Integer, nullable=False),
+    Column("month_micros", BigInteger, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Index("ix_gateway_spend_updated_at", "updated_at"),
+)

@@ -6,7 +6,7 @@ mixed into Store."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -15,16 +15,18 @@ from sqlalchemy import bindparam, delete, event, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from .address import NUMERIC_PARAMS, resolve_store_address
 from .admin_tokens import AdminTokensMixin
+from .allowance import AllowanceMixin
 from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
 from .keyrows import KEY_COLS as _KEY_COLS
 from .keyrows import PREFIX_LEN, SECRET_PREFIX, hash_secret
 from .keyrows import check_key_text as _check_text
 from .keyrows import key_from_row as _key
 from .keyrows import new_secret as _new_secret
+from .leases import LeasesMixin
 from .migrate import WRITE, upgrade_to_head
 from .records import KeyRecord, UsageRow, utcnow
 from .reports import ReportsMixin
@@ -126,7 +128,7 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin):
+class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin, LeasesMixin, AllowanceMixin):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):
@@ -308,9 +310,12 @@ class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin):
 
     # -- usage ---------------------------------------------------------------
 
-    async def insert_usage(self, rows: Sequence[UsageRow]) -> None:
+    async def insert_usage(
+        self, rows: Sequence[UsageRow], also: Callable[[AsyncConnection], Awaitable[None]] | None = None
+    ) -> None:
         """Insert a batch in one transaction and move each key's last_used_at to the
-        batch's latest time for it. Rows whose request_id is already stored are skipped."""
+        batch's latest time for it. Rows whose request_id is already stored are skipped.
+        ``also`` runs in the same transaction (shared limits write the batch's spend with it)."""
         if not rows:
             return
         values = [
@@ -345,6 +350,8 @@ class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin):
             if latest:
                 # Sorted, so concurrent batches lock key rows in one order (no deadlock).
                 await conn.execute(_TOUCH_KEY, [{"k_id": k, "k_at": latest[k]} for k in sorted(latest)])
+            if also is not None:
+                await also(conn)
 
     async def list_usage(self, limit: int = 100, key_id: str | None = None) -> list[UsageRow]:
         """Newest first."""

@@ -165,6 +165,16 @@ class LlamaServer(Proc):
         return self
 
 
+def kill_engines(pids: list[int]) -> None:
+    """Agents leave their engines running on purpose (a restarted agent adopts them); a test must not:
+    each engine's process group is killed."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def llmgw_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "llmgw.cli.main", *args]
 

@@ -14,7 +14,6 @@ import hashlib
 import http.client
 import json
 import os
-import signal
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +22,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from harness import Gateway, Proc, free_port, llmgw_cmd, release_files, serve_files, wait_http, wait_until
+from harness import Gateway, Proc, free_port, kill_engines, llmgw_cmd, release_files, serve_files, wait_http, wait_until
 
 from llmgw.mirror.api import ApiAccess, api_app, default_token_file, ensure_token
 from llmgw.mirror.fetcher import Manager
@@ -363,11 +362,7 @@ def test_mirror_fetches_resumes_and_serves_the_fleet(llama_server_bin, tiny_mode
         for p in reversed(procs):
             if p.alive():
                 p.stop()
-        for pid in engine_pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_engines(engine_pids)
         stop_releases()
         hf.close()
 

@@ -7,9 +7,6 @@ to LLMGW_SCREENSHOTS (or the test's directory)."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import httpx
 import pytest
 from browsing import NARROW, PASSWORD, cli, fits, shot_dir, sign_in
@@ -17,6 +14,7 @@ from harness import (
     Gateway,
     Prometheus,
     free_port,
+    kill_engines,
     release_files,
     serve_files,
     start_agent,
@@ -196,10 +194,5 @@ def test_an_administrator_sees_the_cluster_a_node_and_its_logs_and_approves_a_si
         for p in (agent, gw, prom):
             if p.alive():
                 p.stop()
-        # The agent leaves its engines running on purpose (a restarted agent adopts them); a test must not.
-        for pid in engine_pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_engines(engine_pids)
         stop_files()

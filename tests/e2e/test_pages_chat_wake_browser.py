@@ -8,15 +8,13 @@ LLMGW_SCREENSHOTS (or the test's directory)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from browsing import NARROW, PASSWORD, cli, fits, shot_dir, sign_in
-from harness import Gateway, free_port, release_files, start_agent, wait_until
+from harness import Gateway, free_port, kill_engines, release_files, start_agent, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # an agent installs llama.cpp and serves a replica
 
@@ -182,10 +180,5 @@ def test_a_person_wakes_an_on_demand_model_from_the_chat_page_sees_it_load_and_g
         for p in reversed(procs):
             if p.alive():
                 p.stop()
-        # The agent leaves its engines running on purpose (a restarted agent adopts them); a test must not.
-        for pid in engine_pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_engines(engine_pids)
         stop_files()

@@ -310,3 +310,17 @@ async def test_50_streams_cut_at_99_percent_are_charged_what_the_engine_generate
     assert spent == sum(r.cost_micros for r in rows)
     true_cost = acct.pricing.cost_micros("m", prompt_truth * 54, generated + 30 * 4)
     assert abs(spent - true_cost) <= 0.1 * true_cost
+
+
+async def test_a_key_with_no_limit_anywhere_still_has_its_use_priced_in_its_usage_rows(fleet):
+    server, _, issued = fleet
+    # No limit on the key, its project, team or organization: nothing is reserved for it.
+    await server.keys.load()
+    async with _client(server, issued.secret) as http:
+        assert (await http.post("/v1/chat/completions", json=_chat())).status_code == 200
+        assert (await http.post("/v1/chat/completions", json=_chat("free"))).status_code == 200
+    rows = await _rows(server)
+    priced = {r.model: r.cost_micros for r in rows}
+    want = server.gateway.accountant.pricing.cost_micros("m", rows[0].prompt_tokens, rows[0].completion_tokens)
+    assert priced["m"] == want > 0
+    assert priced["free"] == 0  # served by the same engine, but the model asked for has no price

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import text, update
 
 from llmgw.store import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, Store, StoreError, UsageRow, hash_secret
+from llmgw.store.migrate import revisions
 from llmgw.store.schema import api_keys
 
 UTC = UTC
@@ -45,7 +46,7 @@ async def test_open_twice_is_idempotent(address):
         assert [k.id for k in await s.list_keys()] == [rec.id]
         assert await s.keys_generation() == 1
         rows = await _all_rows(s)
-        assert rows["alembic_version"] == [("0007",)]
+        assert rows["alembic_version"] == [(revisions()[0],)]
         assert rows["store_state"] == [("keys_generation", 1)]
     finally:
         await s.close()
@@ -104,7 +105,7 @@ async def test_concurrent_opens_of_different_databases(tmp_path):
     try:
         for s in stores:
             assert await s.keys_generation() == 0
-            assert (await _all_rows(s))["alembic_version"] == [("0007",)]
+            assert (await _all_rows(s))["alembic_version"] == [(revisions()[0],)]
     finally:
         for s in stores:
             await s.close()

@@ -19,22 +19,15 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from llmgw.server.gateway.auth import AuthError, KeyCache
 from llmgw.store import Store, StoreError, UsageRow, resolve_store_address
+from llmgw.store.migrate import revisions
 from llmgw.store.move import CopiedTable, copy_order, move_store
 from llmgw.store.schema import limit_changes, metadata, store_state, usage
 from llmgw.testing.waiting import async_until
+from tests.unit.conftest import pg_exec
 
 REPO = Path(__file__).resolve().parents[2]
 PASSWORD = "correct horse battery"
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"  # as conftest's pg_database makes databases
-
-
-async def pg_exec(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(url, timeout=3)
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture
@@ -395,7 +388,7 @@ async def test_a_missing_source_is_refused_and_nothing_is_created(tmp_path):
 @pytest.mark.parametrize(
     ("version", "says"),
     [
-        ("0006", r"the schema of an older llmgw \(0006; this llmgw's is 0007\)\. Migrate it first"),
+        ("0006", rf"the schema of an older llmgw \(0006; this llmgw's is {revisions()[0]}\)\. Migrate it first"),
         ("0099", r"the schema 0099, which a newer llmgw wrote .* run move-store with that llmgw"),
     ],
 )

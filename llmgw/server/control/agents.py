@@ -330,6 +330,10 @@ class AgentService:
         return node
 
     def _conn_for(self, node_id: str, msg: Message) -> _Conn:
+        if self.leadership is not None and not self.leadership.is_leader():
+            # Checked at every send, not only by the reconciler: a command already on its way
+            # when leadership ended must not reach a node the new leader now drives.
+            raise AgentServiceError("this control plane is a standby: it sends nothing to agents")
         conn = self._conns.get(node_id)
         if conn is None:
             node = self._nodes.get(node_id)

@@ -288,6 +288,15 @@ class Reconciler:
     def wake(self) -> None:
         self._wake.set()
 
+    def forget(self) -> None:
+        """Let go of every replica without touching its engines (this control plane stopped leading):
+        their endpoints leave the gateway's set, and a standby serves what the leader publishes
+        instead. If it leads again, agents describe their shards anew and they are adopted."""
+        for r in self.replicas.values():
+            self._unpublish(r)
+        self.replicas.clear()
+        self._shard_index.clear()
+
     async def _loop(self) -> None:
         while True:
             try:

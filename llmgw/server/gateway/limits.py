@@ -28,16 +28,26 @@ last 60 seconds, so 500 requests at once at a key limited to 100 a minute
 admit exactly 100 however long they take to arrive. An idle window carries no information and is dropped. Everything here is synchronous and never awaits: on one event loop
 a check, a settlement or a cancellation is atomic, so counts are exact under
 any concurrency without locks.
+
+Several gateways on one store (shared limits, shared_limits.py): every rate window is
+then a _Leased one, which admits against the share of its pool this gateway leased from
+the store (plus, before its first claim comes back, a credit of one chunk) instead of
+the pool's whole limit, and wakes the refill task when its share runs low; the check
+itself still never touches the store. A request the share is short for while a refill
+is possible is refused with AllowancePending, which the proxy may await (refilled(),
+bounded by REFILL_WAIT_S) before it answers 429. Budgets add what the other gateways
+spent, folded in by the same task (fold_spend).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw.errors import LlmgwError
 from llmgw.server.gateway.principal import Pool, Principal
@@ -46,6 +56,9 @@ MICROS = 1_000_000
 _SWEEP_EVERY = 60.0  # seconds of clock between drops of idle windows and stale spend
 _SLOTS = 60  # rate limits are per minute, counted in one-second slots
 _HELD_RETRY = 1.0  # Retry-After when a budget is only held by requests in progress, not spent
+# Shared limits: the longest a request waits for refills of its pools' shares before a 429.
+REFILL_WAIT_S = 1.0
+_CHUNK_SHARE = 10  # a chunk is a tenth of a pool's limit (at least 1)
 
 
 def utcnow() -> datetime:
@@ -74,6 +87,27 @@ class LimitError(LlmgwError):
         self.code = code
         self.retry_after = retry_after
         self.headers = headers if headers is not None else {}
+
+
+class AllowancePending(LimitError):
+    """A refusal that a refill may still turn around: a shared pool's share here is short, and the
+    store may have more. ``ready`` completes when the next refill round has ended; the proxy may
+    wait for it (Accountant.refilled) before it answers with the refusal itself."""
+
+    def __init__(self, refusal: LimitError, ready: asyncio.Future[None]):
+        super().__init__(refusal.status, refusal.message, refusal.code, refusal.retry_after, refusal.headers)
+        self.ready = ready
+
+
+class Refills(Protocol):
+    """What the accountant needs of the task that leases shares (shared_limits.SharedLimits)."""
+
+    @property
+    def reachable(self) -> bool: ...  # the store answered the last round: a refill may come
+
+    def wake(self) -> None: ...  # run a round soon
+
+    def next_round(self) -> asyncio.Future[None]: ...  # completes when a round begun after now has ended
 
 
 # ----------------------------------------------------------------------- prices
@@ -219,6 +253,72 @@ class _Window:
         return self.used == 0.0
 
 
+def chunk_of(limit: int) -> int:
+    """The unit of allowance a gateway leases of a shared pool: a tenth of its limit, at least 1."""
+    return max(1, limit // _CHUNK_SHARE)
+
+
+class _Leased(_Window):
+    """A window of a shared pool: it counts this gateway's own requests (or tokens) like any window,
+    against ``cap`` = the share this gateway holds of the pool plus its credit, not the pool's limit.
+
+    The credit is one chunk, given to a window when it is made (nothing counted here in the last
+    minute) and taken away once a claim has been answered: what lets a pool's first request here
+    go at once, and what is admitted beyond the limit at most, per gateway (shared_limits.py).
+    Only the refill task (shared_limits.py) changes the share, and only it forgets the window.
+    """
+
+    __slots__ = ("chunk", "credit", "exhausted_until", "last_use", "limit", "low", "others", "share", "short")
+
+    def __init__(self, limit: int, now: float) -> None:
+        chunk = chunk_of(limit)
+        super().__init__(chunk)
+        self.limit = limit
+        self.chunk = chunk
+        self.share = 0  # leased from the store; never more than the store has granted
+        self.credit = chunk
+        self.others = 0  # what the other gateways held when this pool was last claimed
+        self.low = float(chunk)  # a refill is asked for when less than this is left (set by the refill task)
+        self.short = 0.0  # what the requests refused for want of share asked for since the last round
+        self.exhausted_until = 0.0  # the store had no more at the last claim: no waits, no claims until then
+        self.last_use = now
+
+    def set_share(self, share: int) -> None:
+        self.share = share
+        self.cap = share + self.credit
+
+    def end_credit(self) -> None:
+        self.credit = 0
+        self.cap = self.share
+
+    def relimit(self, limit: int) -> None:
+        self.limit = limit
+        self.chunk = chunk_of(limit)
+        self.low = float(self.chunk)
+        if self.credit > self.chunk:
+            self.credit = self.chunk
+            self.cap = self.share + self.credit
+
+    def room(self, now: float) -> float:
+        """What this gateway may still count now."""
+        self._advance(int(now))
+        return self.cap - self.used
+
+    def peek(self, now: float) -> float:
+        """What is left of the pool as far as this gateway knows (for headers and pages)."""
+        self._advance(int(now))
+        return self.limit - self.used - self.others
+
+    def recent(self, now: float, seconds: int = 2) -> float:
+        """What was counted in the last few seconds: how fast this pool is used here."""
+        self._advance(int(now))
+        head = self.head
+        return sum(self.slots[s % _SLOTS] for s in range(head - seconds + 1, head + 1))
+
+    def idle(self, now: float) -> bool:
+        return False  # never dropped by the sweep: the refill task returns its share first
+
+
 class _Spend:
     """What a pool spent in the current UTC day and month, in micro-units."""
 
@@ -240,6 +340,17 @@ class _Spend:
         if period == "day":
             return self.day if self.day_key == day_key else 0
         return self.month if self.month_key == month_key else 0
+
+    def fold(self, day_key: int, day: int, month_key: int, month: int) -> None:
+        """Add spend to one period each (what other gateways spent, which need not be the same in both)."""
+        if day:
+            if self.day_key != day_key:
+                self.day_key, self.day = day_key, 0
+            self.day += day
+        if month:
+            if self.month_key != month_key:
+                self.month_key, self.month = month_key, 0
+            self.month += month
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +386,29 @@ def _day_key(at: datetime) -> int:
 
 def _month_key(at: datetime) -> int:
     return at.year * 12 + at.month - 1
+
+
+def spend_pools(
+    key_id: str | None, user_id: str | None, project_id: str | None, team_id: str | None, org_id: str | None
+) -> list[str]:
+    """The pool keys a usage row's cost counts in (Accountant.restore's list)."""
+    keys = []
+    if key_id:
+        keys.append(f"key:{key_id}")
+    if user_id:
+        keys.append(f"user:{user_id}")
+    for scope, ident in (("project", project_id), ("team", team_id), ("org", org_id)):
+        if ident:
+            keys.append(f"{scope}:{ident}")
+            if user_id:
+                keys.append(f"{scope}-member:{ident}:{user_id}")
+    return keys
+
+
+def period_keys(at: datetime) -> tuple[int, int]:
+    """The UTC (day key, month key) of a moment, as spend is kept by."""
+    at = _as_utc(at)
+    return _day_key(at), _month_key(at)
 
 
 # ------------------------------------------------------------ results and status
@@ -392,6 +526,14 @@ class Accountant:
         self._held: dict[str, int] = {}
         self._periods: _Periods | None = None
         self._next_sweep = clock() + _SWEEP_EVERY
+        # Shared limits (share()): the task leasing shares of the rate pools.
+        self.shared: Refills | None = None
+
+    def share(self, refills: Refills) -> None:
+        """From now on every rate pool is held to a share leased from the store (shared_limits.py).
+        Called once, before the first check."""
+        self.shared = refills
+        self._charge = self._charge_shared  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ check
 
@@ -486,24 +628,92 @@ class Accountant:
                 continue
             self._refund(taken, now)
             self._refund(earlier, now)
-            wait = w.wait_for(now, need)
-            if kind == "rpm":
-                msg, code = (
-                    f"the request rate of {describe(pool.key)} is at its limit of {cap} a minute",
-                    "rate_limited",
-                )
-            else:
-                msg, code = (
-                    (
-                        f"the token rate of {describe(pool.key)} is at its limit of {cap} a minute "
-                        f"(this request needs about {amount:.0f})"
-                    ),
-                    "tokens_limited",
-                )
-            raise LimitError(
-                429, f"{msg}; retry in {_seconds(wait)}", code, wait, self._refusal_headers(principal, now, wait)
-            )
+            raise self._rate_refusal(kind, pool.key, cap, amount, w.wait_for(now, need), principal, now)
         return taken
+
+    def _charge_shared(
+        self,
+        table: dict[str, _Window],
+        pools: tuple[Pool, ...],
+        kind: str,
+        amount: float,
+        now: float,
+        principal: Principal,
+        earlier: list[tuple[_Window, int, float]] | tuple,
+    ) -> list[tuple[_Window, int, float]]:
+        """_charge for shared pools: against this gateway's share (and credit), waking the refill
+        task when the share runs low; a refusal that a refill may turn around is AllowancePending."""
+        shared = self.shared
+        assert shared is not None
+        taken: list[tuple[_Window, int, float]] = []
+        for pool in pools:
+            cap = pool.rpm if kind == "rpm" else pool.tpm
+            if cap is None:
+                continue
+            w = table.get(pool.key)
+            if not isinstance(w, _Leased):
+                w = _Leased(cap, now)
+                table[pool.key] = w
+            elif w.limit != cap:
+                w.relimit(cap)  # the refill task brings the share in line
+                shared.wake()
+            need = amount if kind == "rpm" or amount < cap else cap
+            room = w.room(now)
+            w.last_use = now  # in use here, admitted or not
+            if room >= need:
+                taken.append((w, w.take(now, amount), amount))
+                if room - amount < w.low and now >= w.exhausted_until:
+                    shared.wake()  # running low: refill before it is needed
+                continue
+            self._refund(taken, now)
+            self._refund(earlier, now)
+            refusal = self._rate_refusal(kind, pool.key, cap, amount, w.wait_for(now, need), principal, now)
+            if now < w.exhausted_until or not shared.reachable:
+                raise refusal  # the store had no more a moment ago, or cannot be asked
+            w.short += need
+            shared.wake()
+            raise AllowancePending(refusal, shared.next_round())
+        return taken
+
+    def _rate_refusal(
+        self, kind: str, key: str, cap: int, amount: float, wait: float, principal: Principal, now: float
+    ) -> LimitError:
+        if kind == "rpm":
+            msg, code = (f"the request rate of {describe(key)} is at its limit of {cap} a minute", "rate_limited")
+        else:
+            msg, code = (
+                (
+                    f"the token rate of {describe(key)} is at its limit of {cap} a minute "
+                    f"(this request needs about {amount:.0f})"
+                ),
+                "tokens_limited",
+            )
+        return LimitError(
+            429, f"{msg}; retry in {_seconds(wait)}", code, wait, self._refusal_headers(principal, now, wait)
+        )
+
+    async def refilled(
+        self,
+        pending: AllowancePending,
+        principal: Principal,
+        model: str,
+        estimated_prompt: int,
+        estimated_completion: int = 0,
+    ) -> Reservation:
+        """Shared limits: check again after the refill round ``pending`` waits for, and after the
+        next ones while the share stays short, for at most REFILL_WAIT_S in all; then the refusal
+        stands. Awaits only the refill task, never the store itself."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REFILL_WAIT_S
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise pending
+            await asyncio.wait((pending.ready,), timeout=left)
+            try:
+                return self.check(principal, model, estimated_prompt, estimated_completion)
+            except AllowancePending as again:
+                pending = again
 
     @staticmethod
     def _refund(taken: list[tuple[_Window, int, float]] | tuple, now: float) -> None:
@@ -670,6 +880,23 @@ class Accountant:
             tokens_reset=t[3] if t else None,
         )
 
+    def fold_spend(self, pool_key: str, day_key: int, day: int, month_key: int, month: int) -> None:
+        """Shared limits: add what other gateways spent on a pool; a period that is not the current one is ignored."""
+        per = self._current_periods()
+        day = day if day_key == per.day_key else 0
+        month = month if month_key == per.month_key else 0
+        if not (day or month):
+            return
+        s = self._spend.get(pool_key)
+        if s is None:
+            s = self._spend[pool_key] = _Spend()
+        s.fold(day_key, day, month_key, month)
+
+    def periods(self) -> tuple[int, int]:
+        """The current UTC (day key, month key)."""
+        per = self._current_periods()
+        return per.day_key, per.month_key
+
     def spent(self, pool_key: str, period: str = "month") -> int:
         """What a pool spent in the current UTC day or month, in micro-units."""
         s = self._spend.get(pool_key)
@@ -699,17 +926,7 @@ class Accountant:
             if _month_key(at) != per.month_key:
                 continue
             on_day = _day_key(at) == per.day_key
-            keys = []
-            if key_id:
-                keys.append(f"key:{key_id}")
-            if user_id:
-                keys.append(f"user:{user_id}")
-            for scope, ident in (("project", project_id), ("team", team_id), ("org", org_id)):
-                if ident:
-                    keys.append(f"{scope}:{ident}")
-                    if user_id:
-                        keys.append(f"{scope}-member:{ident}:{user_id}")
-            for k in keys:
+            for k in spend_pools(key_id, user_id, project_id, team_id, org_id):
                 s = spends.get(k)
                 if s is None:
                     s = spends[k] = _Spend()

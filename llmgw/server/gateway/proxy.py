@@ -33,7 +33,7 @@ from llmgw.server.gateway.admission import (
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_body, error_response
-from llmgw.server.gateway.limits import Accountant, LimitError, Pricing, Reservation
+from llmgw.server.gateway.limits import Accountant, AllowancePending, LimitError, Pricing, Reservation
 from llmgw.server.gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, Call, Refusal, Route, ServedModel, read_request
 from llmgw.server.gateway.routing import RouterCollector
 from llmgw.server.gateway.usage import UsageRecorder
@@ -350,8 +350,13 @@ class Gateway:
         accountant, admission = self.accountant, self.admission
         res: Reservation | None = None
         if accountant is not None and (principal.pools or principal.models is not None):
+            estimate = _estimate(raw, call.out_limit, served)
             try:
-                res = call.res = accountant.check(principal, served.name, *_estimate(raw, call.out_limit, served))
+                try:
+                    res = call.res = accountant.check(principal, served.name, *estimate)
+                except AllowancePending as pending:
+                    # Shared limits: this gateway's share ran short and a refill is on its way.
+                    res = call.res = await accountant.refilled(pending, principal, served.name, *estimate)
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
                 return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None)
@@ -722,6 +727,10 @@ class Gateway:
         if res is not None and self.accountant is not None:
             # Priced by the model that served it; tokens settled to what the engine counted.
             cost = self.accountant.settle(res, prompt, completion)
+        elif self.accountant is not None:
+            # Nothing to settle (a principal with no limit anywhere), but its use is still priced:
+            # the Usage and Organization pages and budgets set later count it.
+            cost = self.accountant.pricing.cost_micros(call.served.name, prompt, completion)
         if self.usage is None:
             return
         principal = call.principal
