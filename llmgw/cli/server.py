@@ -71,10 +71,18 @@ def init(
     store: str = typer.Option(
         None, "--store", help="A PostgreSQL DSN for the store (postgresql://user@host/db); default SQLite here."
     ),
+    postgres: bool = typer.Option(
+        False,
+        "--postgres",
+        help="The store on PostgreSQL on this machine: installed when absent, role and database llmgw made with "
+        "the DSN in /etc/llmgw/secrets/store-dsn, an existing SQLite store moved into it (back on SQLite if "
+        "that fails).",
+    ),
     root: Path = typer.Option(None, "--root", hidden=True, help="A directory standing for / (tests, trials)."),
 ) -> None:
-    """Make this machine a control plane: user, authority, certificate, server.yaml, store and administrator,
-    admin token, unit, a mirror beside it holding llama.cpp, this machine as a node, the starter model.
+    """Make this machine a control plane: user, authority, certificate, server.yaml, (with --postgres: PostgreSQL,
+    the store moved to it), store and administrator, admin token, unit, a mirror beside it holding llama.cpp,
+    this machine as a node, the starter model.
     Every step looks before it acts: a rerun finishes an interrupted one and changes nothing on a finished one."""
     from llmgw.init import InitError
     from llmgw.init.machine import Machine, machine_addresses, own_binary
@@ -88,6 +96,9 @@ def init(
     if root is None and not is_root:
         fail(NOT_ROOT)
     real = root is None or root.resolve() == Path("/")
+    if postgres and not real:
+        # Its package manager, psql and systemctl act on the machine itself, never inside --root.
+        fail("--postgres installs and sets up PostgreSQL on this machine itself; it cannot be tried under --root")
     m = Machine(
         root=Path("/") if root is None else root.resolve(),
         addresses=machine_addresses(),
@@ -104,6 +115,7 @@ def init(
         manage_user=real and is_root,
         llamacpp_archive=str(llamacpp_archive) if llamacpp_archive else None,
         store=store,
+        postgres=postgres,
     )
     if admin is None:
         from llmgw.cli.screens import init_form

@@ -24,17 +24,20 @@ from llmgw.units import UNITS_DIR
 
 USER = "llmgw"
 DEFAULT_BINARY = "/usr/local/bin/llmgw"
+COMMAND_TIMEOUT = 120.0
+# A package manager installing PostgreSQL from a slow mirror: long, not forever.
+LONG_COMMAND_TIMEOUT = 1800.0
 
 Runner = Callable[[list[str]], tuple[int, str]]
 
 
-def run_command(argv: list[str]) -> tuple[int, str]:
+def run_command(argv: list[str], timeout: float = COMMAND_TIMEOUT) -> tuple[int, str]:
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=120)
+        p = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
     except FileNotFoundError:
         return 127, f"{argv[0]} is not installed"
     except subprocess.TimeoutExpired:
-        return 124, f"{' '.join(argv)} did not finish in 120 s"
+        return 124, f"{' '.join(argv)} did not finish in {timeout:g} s"
     return p.returncode, (p.stdout + p.stderr).strip()
 
 
@@ -119,6 +122,15 @@ class Machine:
     admin: Callable[[str, str | None], AdminAPI] = AdminAPI
     node_timeout: float = 600.0  # a node registering and installing llama.cpp from the mirror
     model_timeout: float = 1800.0  # the starter model fetched by the node and started
+    # The role and the database `--postgres` makes (tests give a throwaway name on a shared server).
+    pg_name: str = "llmgw"
+
+    def run_long(self, argv: list[str]) -> tuple[int, str]:
+        """A command that may take many minutes (a package manager): the real runner with a longer limit,
+        or the runner given (a fake)."""
+        if self.run is run_command:
+            return run_command(argv, timeout=LONG_COMMAND_TIMEOUT)
+        return self.run(argv)
 
     def path(self, absolute: str) -> Path:
         return self.root / absolute.lstrip("/")

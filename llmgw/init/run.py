@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmgw.init import InitError, cluster
+from llmgw.init import postgres as pg
 from llmgw.init import steps as do
 from llmgw.init.machine import Machine
 from llmgw.init.plan import mirror_plan
@@ -25,6 +26,8 @@ class Options:
     # operator: what the mirror offers nodes when GitHub's releases cannot be reached.
     llamacpp_archive: str | None = None
     store: str | None = None  # a PostgreSQL DSN for auth.store; None: SQLite in /var/lib/llmgw
+    # PostgreSQL on this machine for the store: installed when absent, an existing SQLite store moved into it.
+    postgres: bool = False
     manage_user: bool = True
     stop_after: int | None = None  # the last step to run (an interrupted run, in tests)
 
@@ -45,22 +48,35 @@ def check_options(opts: Options) -> None:
         raise InitError(f"{opts.admin!r} is not an email address; give the administrator's, e.g. you@example.com")
     if opts.mirror_url and opts.no_mirror:
         raise InitError("--mirror URL and --no-mirror contradict each other; give one")
+    if opts.postgres and opts.store:
+        raise InitError("--postgres sets up PostgreSQL on this machine and --store names a store elsewhere; give one")
 
 
+# The steps in order, by name; numbered as shown, so --postgres's two steps move the later numbers on.
 TITLES = {
-    1: "user and directories",
-    2: "authority",
-    3: "server certificate",
-    4: "server.yaml",
-    5: "store and administrator",
-    6: "admin credential",
+    "user": "user and directories",
+    "authority": "authority",
+    "certificate": "server certificate",
+    "config": "server.yaml",
+    # --postgres only: after server.yaml (which says whether there is a SQLite store to move), before the store.
+    "postgres": "PostgreSQL",
+    "move": "store to PostgreSQL",
+    "store": "store and administrator",
+    "credential": "admin credential",
     # The mirror before the server: the server reads the mirror's API token when it starts.
-    7: "mirror",
-    8: "server unit",
-    9: "llama.cpp in the mirror",
-    10: "this machine as a node",
-    11: "starter model",
+    "mirror": "mirror",
+    "unit": "server unit",
+    "llamacpp": "llama.cpp in the mirror",
+    "node": "this machine as a node",
+    "model": "starter model",
 }
+POSTGRES_ONLY = ("postgres", "move")
+
+
+def numbering(opts: Options) -> dict[str, int]:
+    """Each step's number as shown: the steps this run has, counted from 1."""
+    names = [n for n in TITLES if opts.postgres or n not in POSTGRES_ONLY]
+    return {name: i for i, name in enumerate(names, 1)}
 
 
 def server_init(
@@ -72,37 +88,49 @@ def server_init(
     check_options(opts)
     st: Steps = steps if steps is not None else PlainSteps(emit or print)
     rep = Report()
-    current = [0]
+    number = numbering(opts)
+    current = [""]
 
-    def begin(n: int) -> None:
-        current[0] = n
-        st.begin(str(n), TITLES[n])
+    def begin(name: str) -> str:
+        current[0] = name
+        key = str(number[name])
+        st.begin(key, TITLES[name])
+        return key
 
-    def record(n: int, d: Done) -> bool:
+    def record(name: str, d: Done) -> bool:
         rep.done.append(d)
-        st.end(str(n), Status(d.status), d.line)
-        return opts.stop_after is not None and n >= opts.stop_after
+        st.end(str(number[name]), Status(d.status), d.line)
+        return opts.stop_after is not None and number[name] >= opts.stop_after
 
     try:
-        begin(1)
-        if record(1, do.user_and_directories(m, manage_user=opts.manage_user)):
+        begin("user")
+        if record("user", do.user_and_directories(m, manage_user=opts.manage_user)):
             return rep
-        begin(2)
-        if record(2, do.authority(m)):
+        begin("authority")
+        if record("authority", do.authority(m)):
             return rep
-        begin(3)
+        begin("certificate")
         cert = do.server_certificate(m, opts.hosts)
-        if record(3, cert):
+        if record("certificate", cert):
             return rep
         do.ca_beside(m)
-        begin(4)
+        begin("config")
         plan = mirror_plan(m, opts.hosts, opts.mirror_url, opts.no_mirror)
-        done, cfg = do.server_config(m, plan, opts.store)
-        if record(4, done):
+        # With --postgres a new server.yaml names the DSN file from the start: there is never a SQLite store.
+        done, cfg = do.server_config(m, plan, pg.store_ref(m) if opts.postgres else opts.store)
+        if record("config", done):
             return rep
-        begin(5)
+        if opts.postgres:
+            begin("postgres")
+            if record("postgres", pg.postgres(m, cfg)):
+                return rep
+            begin("move")
+            done, cfg = pg.store_to_postgres(m, cfg)
+            if record("move", done):
+                return rep
+        begin("store")
         done, rep.password = do.store_and_admin(m, cfg, opts.admin)
-        stop = record(5, done)
+        stop = record("store", done)
         if rep.password:
             st.secret(
                 f"administrator {opts.admin.strip().lower()}, password (printed only now; a rerun never resets it)",
@@ -110,38 +138,38 @@ def server_init(
             )
         if stop:
             return rep
-        begin(6)
-        if record(6, do.admin_credential(m, cfg)):
+        begin("credential")
+        if record("credential", do.admin_credential(m, cfg)):
             return rep
-        begin(7)
-        if record(7, cluster.mirror(m, cfg, manage_user=opts.manage_user)):
+        begin("mirror")
+        if record("mirror", cluster.mirror(m, cfg, manage_user=opts.manage_user)):
             return rep
-        begin(8)
-        if record(8, do.server_unit(m, cfg, restart=cert.status == "changed")):
+        begin("unit")
+        if record("unit", do.server_unit(m, cfg, restart=cert.status == "changed")):
             return rep
-        begin(9)
+        key = begin("llamacpp")
         done = cluster.llamacpp(
-            m, cfg, st, "9", archive=opts.llamacpp_archive, token=lambda: cluster.mirror_token(m, cfg)
+            m, cfg, st, key, archive=opts.llamacpp_archive, token=lambda: cluster.mirror_token(m, cfg)
         )
-        if record(9, done):
+        if record("llamacpp", done):
             return rep
-        begin(10)
+        key = begin("node")
         if opts.no_node:
             done = Done("node", "skipped", "this machine is not a node (--no-node)")
         else:
-            done = cluster.this_node(m, cfg, st, "10", hosts=opts.hosts)
-        if record(10, done):
+            done = cluster.this_node(m, cfg, st, key, hosts=opts.hosts)
+        if record("node", done):
             return rep
-        begin(11)
+        key = begin("model")
         if opts.no_model:
             done = Done("starter model", "skipped", "none (--no-model)")
         elif not m.systemd:
             done = Done("starter model", "skipped", "not added: the control plane is not running here (no systemd)")
         else:
-            done = cluster.starter_model(m, cfg, st, "11", node_here=not opts.no_node)
-        record(11, done)
+            done = cluster.starter_model(m, cfg, st, key, node_here=not opts.no_node)
+        record("model", done)
     except InitError as exc:
-        st.end(str(current[0]), Status.FAILED, f"{TITLES[current[0]]}: {exc}")
+        st.end(str(number[current[0]]), Status.FAILED, f"{TITLES[current[0]]}: {exc}")
         raise
     st.note("done." if rep.changed else "done: nothing changed.")
     st.note(f"Add nodes from here: `sudo {m.binary} node add [user@]HOST [more hosts…]` (SSH, with sudo on each).")
