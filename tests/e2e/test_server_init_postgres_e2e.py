@@ -70,9 +70,9 @@ def test_server_init_postgres_installs_postgresql_offline_moves_the_store_and_go
 
     # 1. The store is held open by another process (a backup script, an sqlite3 shell): the move is refused.
     holder = sh(
-        "nohup python3 -c \"import pathlib, sqlite3, time; c = sqlite3.connect('/var/lib/llmgw/llmgw.db'); "
+        "nohup python3 -c \"import pathlib, signal, sqlite3; c = sqlite3.connect('/var/lib/llmgw/llmgw.db'); "
         "c.execute('SELECT count(*) FROM sqlite_master').fetchall(); pathlib.Path('/run/holder.open').touch(); "
-        'time.sleep(3600)" >/dev/null 2>&1 & echo $!'
+        'signal.pause()" >/dev/null 2>&1 & echo $!'
     )
     until(lambda: machines.ssh("cp", "test -e /run/holder.open", check=False).exit_status == 0, 30.0, "the holder")
     rc, out = init("--postgres")
