@@ -175,7 +175,7 @@ class Server:
                 assert self.leadership is not None
                 await self.leadership.start()
                 if self.leadership.is_leader():
-                    await self._lead(True)
+                    await self._lead(True, catalog_read=True)  # read a moment ago, above
                 self.leadership.on_change(self._lead)
                 self.metrics.watch_fleet(LeadershipCollector(self.leadership))
                 if self.leadership.enabled:
@@ -421,12 +421,12 @@ class Server:
         self.apps["metrics_listen"] = app
         return app
 
-    async def _lead(self, leading: bool) -> None:
+    async def _lead(self, leading: bool, *, catalog_read: bool = False) -> None:
         """Start or stop acting as the leader: placing, on-demand loading, agents' streams."""
         assert self.reconciler is not None and self.gateway is not None and self.agents is not None
         async with self._leading_lock:
             if leading:
-                if self.leadership is not None and self.leadership.enabled:
+                if not catalog_read and self.leadership is not None and self.leadership.enabled:
                     await self._follow_catalog()  # as the previous leader left it
                 self.gateway.demand = self.reconciler
                 await self.reconciler.start()

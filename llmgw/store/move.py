@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from sqlalchemy import Integer, Table, delete, event, func, inspect, literal, select, text
+from sqlalchemy import Integer, Table, delete, func, inspect, literal, select, text
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .address import _SCHEME_RE, _read_address_file, resolve_store_address
 from .errors import StoreError, mask_password
 from .migrate import WRITE, revisions, upgrade_to_head
 from .schema import metadata, store_state
-from .store import SQLITE_BUSY_TIMEOUT_S, _create_engine, _shown_address
+from .store import _create_engine, _shown_address
 
 VERSION_TABLE = "alembic_version"  # Alembic's own; each side's migrations write it
 BATCH_ROWS = 2000
@@ -152,22 +152,7 @@ def _read_only_engine(url: str) -> AsyncEngine:
     # Built as a URL object, not text: the path is a URI here, and parsing it again would
     # undo the escaping of characters like ? and # in file names.
     ro = URL.create("sqlite+aiosqlite", database="file:" + quote(u.database or ""), query={"mode": "ro", "uri": "true"})
-    engine = create_async_engine(ro, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
-
-    @event.listens_for(engine.sync_engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:  # the DBAPI's own objects: untyped
-        # The sqlite3 module would read outside a transaction (it begins one only before
-        # writes); _on_begin emits BEGIN so all tables are read from one snapshot.
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA query_only = ON")
-        cur.close()
-
-    @event.listens_for(engine.sync_engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN")
-
-    return engine
+    return _create_engine(ro, read_only=True)
 
 
 # -- the source ------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from sqlalchemy import bindparam, delete, event, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -95,7 +95,9 @@ def _describe_key(k: KeyRecord) -> str:
     return f"{k.id} ({k.name!r}, prefix {k.prefix}{state})"
 
 
-def _create_engine(url: str) -> AsyncEngine:
+def _create_engine(url: str | URL, *, read_only: bool = False) -> AsyncEngine:
+    """The store's engine. ``read_only`` (move-store's source; for SQLite a ``mode=ro`` URL) takes
+    no write lock and refuses writes (PRAGMA query_only) instead of switching the file to WAL."""
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
         # The asyncpg dialect hands query values on as strings; these must be numbers.
@@ -103,15 +105,17 @@ def _create_engine(url: str) -> AsyncEngine:
         numbers = {k: float(cast(str, u.query[k])) for k in NUMERIC_PARAMS if k in u.query}
         return create_async_engine(u.difference_update_query(numbers), connect_args=numbers)
     engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+    # WAL lets the server read while the CLI writes; synchronous stays FULL so a committed
+    # revocation survives a power cut. A read-only reader changes nothing about the file.
+    pragma = "PRAGMA query_only = ON" if read_only else "PRAGMA journal_mode=WAL"
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:  # the DBAPI's own objects: untyped
-        # Take BEGIN away from the sqlite3 module (it skips it for SELECT and DDL);
-        # _on_begin below emits it. WAL lets the server read while the CLI writes;
-        # synchronous stays FULL so a committed revocation survives a power cut.
+        # Take BEGIN away from the sqlite3 module (it skips it for SELECT and DDL, so reads would
+        # not share one snapshot); _on_begin below emits it.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(pragma)
         cur.close()
 
     @event.listens_for(engine.sync_engine, "begin")
