@@ -385,3 +385,40 @@ async def test_a_failed_periodic_write_keeps_the_rows_and_is_written_later(caplo
         assert any("will retry" in r.getMessage() for r in caplog.records)
     finally:
         await rec.stop()
+
+
+class GatedSink(Sink):
+    """A store whose first write waits until the test lets it finish; later ones land at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def insert_usage(self, rows):
+        self.calls += 1
+        self.started.set()
+        if self.calls == 1:
+            await self.gate.wait()
+        self.rows.extend(rows)
+
+
+async def test_flush_returns_only_once_a_batch_the_periodic_writer_had_in_flight_is_stored():
+    # A reader that flushes and then reads the store (the tests, a report) must see every
+    # row recorded before it asked, not miss the batch the writer was still sending.
+    sink = GatedSink()
+    rec = UsageRecorder(sink, flush_interval=0.01)
+    rec.start()
+    try:
+        rec.record(_row(1))
+        await asyncio.wait_for(sink.started.wait(), 5)  # the periodic writer holds row 1
+        rec.record(_row(2))
+        flushing = asyncio.ensure_future(rec.flush())
+        # Loop turns, not time: an unserialised flush writes row 2 and returns within a few.
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not flushing.done() and sink.rows == []
+        sink.gate.set()
+        await asyncio.wait_for(flushing, 5)
+        assert [r.key_id for r in sink.rows] == ["k1", "k2"]
+    finally:
+        await rec.stop()

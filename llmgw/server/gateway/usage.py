@@ -62,6 +62,9 @@ class UsageRecorder:
         self._task: asyncio.Task | None = None
         self._stopped = False
         self._inflight: list[UsageRow] = []
+        # One write at a time: flush() returns only once what was recorded before it is in
+        # the store, including a batch the periodic writer already had in flight.
+        self._writing = asyncio.Lock()
         self.dropped = 0
         self._dropped_logged = 0
         self._next_drop_log = 0.0
@@ -184,6 +187,10 @@ class UsageRecorder:
             )
 
     async def _write(self) -> Exception | None:
+        async with self._writing:
+            return await self._write_queued()
+
+    async def _write_queued(self) -> Exception | None:
         while self._pending:
             batch = [self._pending.popleft() for _ in range(min(self._batch, len(self._pending)))]
             # Held here while the store has it, so stop() finds it if the write never ends.
