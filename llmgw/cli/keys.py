@@ -10,7 +10,7 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import typer
 
@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-app = typer.Typer(help="Create, list and revoke API keys; set limits; move the store.", no_args_is_help=True)
+app = typer.Typer(
+    help="Create, list and revoke API keys; set limits; keep conversations and notes; move the store.",
+    no_args_is_help=True,
+)
 
 STORE_HELP = (
     "Store address (path, postgres:// URL or @file); default: auth.store of --config, else /var/lib/llmgw/llmgw.db."
@@ -276,6 +279,106 @@ def limits_(
 
     level, scope_id, _row = with_store(store, config, apply)
     typer.echo(f"limits {'cleared' if clear else 'set'} on {level} {scope_id}")
+
+
+_KEPT = {
+    "threads": (
+        "conversations",
+        "after the last turn",
+        "how many hours a conversation is kept after its last turn",
+    ),
+    "memory": (
+        "notes",
+        "after they were last written",
+        "how many hours a note is kept after it was last written",
+    ),
+}
+
+
+def _retention(
+    kind: Literal["threads", "memory"],
+    project: str | None,
+    retain_hours: int | None,
+    off: bool,
+    list_: bool,
+    store: str | None,
+    config: str | None,
+) -> None:
+    """`keys threads` and `keys memory`: set one project's retention, or list every project's."""
+    what, after, needs = _KEPT[kind]
+    if list_ or (project is None and retain_hours is None and not off):
+        rows = with_store(store, config, lambda s: s.retention_settings())
+        if not rows:
+            err.print(
+                "no project keeps conversations or notes; both are off until turned on for a project", highlight=False
+            )
+        else:
+            shown = [
+                (r.project_path, *(f"{h} h" if h else "off" for h in (r.threads_hours, r.memory_hours))) for r in rows
+            ]
+            print_table(("PROJECT", "CONVERSATIONS", "NOTES"), shown)
+        if not list_:
+            err.print(
+                f"turn {what} on for a project with: llmgw keys {kind} --project PATH --retain-hours N", highlight=False
+            )
+        return
+    if project is None or not project.strip():
+        fail(f"say which project keeps its {what}: --project PATH (llmgw org tree shows them)")
+    if off and retain_hours is not None:
+        fail(f"give --retain-hours N to keep {what}, or --off to stop keeping them; not both")
+    if not off and retain_hours is None:
+        fail(
+            f"{what} are kept only for a set time, so the hours are needed: give --retain-hours N, {needs} (or --off to stop keeping them)"
+        )
+    if retain_hours is not None and retain_hours < 1:
+        fail(f"--retain-hours is a whole number of hours, at least 1, not {retain_hours}; --off stops keeping {what}")
+
+    async def apply(s: Store):
+        return await s.set_retention(project, kind, None if off else retain_hours)
+
+    got = with_store(store, config, apply)
+    hours = got.threads_hours if kind == "threads" else got.memory_hours
+    if hours is None:
+        typer.echo(
+            f"{what} off for {got.project_path}: none are kept from now on; "
+            "those kept so far are removed at the next hourly sweep"
+        )
+    else:
+        typer.echo(f"{what} kept for {got.project_path}: {hours} {'hour' if hours == 1 else 'hours'} {after}")
+
+
+@app.command("threads")
+def threads_(
+    project: str = typer.Option(None, "--project", help="The project (path, id or unique name)."),
+    retain_hours: int = typer.Option(
+        None,
+        "--retain-hours",
+        help="How many hours a conversation is kept after its last turn (required to turn them on).",
+    ),
+    off: bool = typer.Option(False, "--off", help="Keep no conversations; those kept go at the next hourly sweep."),
+    list_: bool = typer.Option(False, "--list", help="List every project's settings (also without --project)."),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+) -> None:
+    """Keep conversations (x-llmgw-thread) for a project, for a set number of hours after the last turn. Off until turned on."""
+    _retention("threads", project, retain_hours, off, list_, store, config)
+
+
+@app.command("memory")
+def memory_(
+    project: str = typer.Option(None, "--project", help="The project (path, id or unique name)."),
+    retain_hours: int = typer.Option(
+        None,
+        "--retain-hours",
+        help="How many hours a note is kept after it was last written (required to turn them on).",
+    ),
+    off: bool = typer.Option(False, "--off", help="Keep no notes; those kept go at the next hourly sweep."),
+    list_: bool = typer.Option(False, "--list", help="List every project's settings (also without --project)."),
+    store: str = typer.Option(None, "--store", help=STORE_HELP),
+    config: str = typer.Option(None, "--config", "-c", help=CONFIG_HELP),
+) -> None:
+    """Keep agents' memory notes for a project, for a set number of hours after each was last written. Off until turned on."""
+    _retention("memory", project, retain_hours, off, list_, store, config)
 
 
 @app.command("move-store")

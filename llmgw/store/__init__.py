@@ -1,6 +1,7 @@
 """The store: SQLAlchemy Core tables and Alembic migrations over SQLite and PostgreSQL."""
 
 from .address import resolve_store_address
+from .agents import Note, Retention, Swept
 from .errors import (
     Ambiguous,
     AmbiguousKey,
@@ -42,12 +43,15 @@ __all__ = [
     "Membership",
     "NotFound",
     "NotMember",
+    "Note",
     "Org",
     "Project",
     "PublishedEndpoint",
+    "Retention",
     "SessionRecord",
     "Store",
     "StoreError",
+    "Swept",
     "Team",
     "Tree",
     "UsageRow",

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from .address import _SCHEME_RE, _read_address_file, resolve_store_address
 from .errors import StoreError, mask_password
 from .migrate import WRITE, revisions, upgrade_to_head
-from .schema import metadata, store_state
+from .schema import is_derived_table, metadata, store_state
 from .store import _create_engine, _shown_address
 
 VERSION_TABLE = "alembic_version"  # Alembic's own; each side's migrations write it
@@ -159,8 +159,10 @@ def _read_only_engine(url: str) -> AsyncEngine:
 
 
 def _layout(conn: Connection) -> dict[str, list[str]]:
+    """Tables and their columns, less the derived ones (SQLite's note search), which the
+    triggers rebuild on the destination as the notes are copied in."""
     insp = inspect(conn)
-    return {t: [c["name"] for c in insp.get_columns(t)] for t in insp.get_table_names()}
+    return {t: [c["name"] for c in insp.get_columns(t)] for t in insp.get_table_names() if not is_derived_table(t)}
 
 
 async def _check_source(src: AsyncConnection, url: str, shown: str) -> None:

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
     update,
 )
 from sqlalchemy.engine import Dialect
@@ -312,3 +313,87 @@ gateway_spend = Table(
     Column("updated_at", Float, nullable=False),
     Index("ix_gateway_spend_updated_at", "updated_at"),
 )
+
+# -- conversations, stored responses and notes for agents (0010, agents.py) ----------
+# Kept only for projects that turned them on (project_retention), or in the shared pool
+# (project_id null) a gateway without authentication uses. Big integer keys are SQLite's
+# rowid there, so they autoincrement.
+_ROWID = BigInteger().with_variant(Integer(), "sqlite")
+
+# One row per project with either setting on; hours null: off.
+project_retention = Table(
+    "project_retention",
+    metadata,
+    Column("project_id", String(32), ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True),
+    Column("threads_hours", Integer, nullable=True),
+    Column("memory_hours", Integer, nullable=True),
+    Column("updated_at", UTCDateTime, nullable=False),
+)
+
+threads = Table(
+    "threads",
+    metadata,
+    Column("id", _ROWID, primary_key=True, autoincrement=True),
+    Column("project_id", String(32), ForeignKey("projects.id", ondelete="CASCADE"), nullable=True),
+    Column("thread_id", String(64), nullable=False),  # the client's; unique within its project
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("last_turn_at", UTCDateTime, nullable=False),
+    Column("model", Text, nullable=True),  # the last turn's
+    Index("ux_threads_project_thread", "project_id", "thread_id", unique=True),
+    # NULLs are distinct in a unique index: the pool's ids need one of their own.
+    Index(
+        "ux_threads_pool_thread",
+        "thread_id",
+        unique=True,
+        sqlite_where=text("project_id IS NULL"),
+        postgresql_where=text("project_id IS NULL"),
+    ),
+    Index("ix_threads_project_last_turn", "project_id", "last_turn_at"),
+)
+
+thread_messages = Table(
+    "thread_messages",
+    metadata,
+    Column("thread", _ROWID, ForeignKey("threads.id", ondelete="CASCADE"), primary_key=True),  # threads.id
+    Column("seq", Integer, primary_key=True),
+    Column("message", Text, nullable=False),  # one chat-format message, as JSON
+)
+
+# One Responses-API response: its turn's chat-format messages (a JSON list). last_turn_at
+# moves with every response that continues the chain, so a chain in use is kept whole.
+stored_responses = Table(
+    "stored_responses",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("project_id", String(32), ForeignKey("projects.id", ondelete="CASCADE"), nullable=True),
+    Column("previous_id", String(64), nullable=True),  # no foreign key: the sweep cuts chains
+    Column("messages", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("last_turn_at", UTCDateTime, nullable=False),
+    Index("ix_stored_responses_project_last_turn", "project_id", "last_turn_at"),
+)
+
+# seq is the rowid SQLite's search index (NOTES_SEARCH, below) refers to: an explicit
+# integer key, which VACUUM keeps (it may renumber an implicit rowid).
+memory_notes = Table(
+    "memory_notes",
+    metadata,
+    Column("seq", _ROWID, primary_key=True, autoincrement=True),
+    Column("id", String(32), nullable=False, unique=True),  # note_ + 24 hex
+    Column("project_id", String(32), ForeignKey("projects.id", ondelete="CASCADE"), nullable=True),
+    Column("title", String(200), nullable=True),
+    Column("text", Text, nullable=False),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Index("ix_memory_notes_project_updated", "project_id", "updated_at"),
+)
+
+# SQLite's note search: an FTS5 table over memory_notes (external content) and the
+# tables FTS5 makes for it, kept in step by triggers. Derived from memory_notes, so not
+# part of the schema above: a copy of the store rebuilds it as the notes go in.
+NOTES_SEARCH = "memory_notes_fts"
+
+
+def is_derived_table(name: str) -> bool:
+    """Whether a table the migrations made is derived data (the note search), not rows to copy."""
+    return name == NOTES_SEARCH or name.startswith(NOTES_SEARCH + "_")

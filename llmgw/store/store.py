@@ -1,7 +1,7 @@
 """The store's async API: API keys, usage rows, the keys generation counter and the
 models added to the catalog at run time. The tenancy tree, people, claims and limits
-are in tenancy.py, admin tokens in admin_tokens.py and browser sessions in sessions.py,
-mixed into Store."""
+are in tenancy.py, admin tokens in admin_tokens.py, browser sessions in sessions.py and
+agents' conversations and notes in agents.py, mixed into Store."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from .address import NUMERIC_PARAMS, resolve_store_address
 from .admin_tokens import AdminTokensMixin
+from .agents import AgentDataMixin
 from .allowance import AllowanceMixin
 from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
 from .keyrows import KEY_COLS as _KEY_COLS
@@ -132,7 +133,7 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin, LeasesMixin, AllowanceMixin):
+class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin, LeasesMixin, AllowanceMixin, AgentDataMixin):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):

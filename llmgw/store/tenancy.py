@@ -35,9 +35,14 @@ from .schema import (
     key_claims,
     limits,
     memberships,
+    memory_notes,
     organizations,
+    project_retention,
     projects,
+    stored_responses,
     teams,
+    thread_messages,
+    threads,
     usage,
     users,
 )
@@ -376,6 +381,13 @@ class TenancyMixin:
                 who = ", ".join(tree.users[m.user_id].email for m in members)
                 raise StoreError(f"{node.path} has members ({who}); `llmgw users leave` them first.")
             table = {"org": organizations, "team": teams, "project": projects}[kind]
+            if kind == "project":
+                # Its conversations, responses and notes go with it: SQLite does not enforce the
+                # foreign keys' ON DELETE CASCADE.
+                ids = select(threads.c.id).where(threads.c.project_id == node.id)
+                await conn.execute(delete(thread_messages).where(thread_messages.c.thread.in_(ids)))
+                for t in (threads, stored_responses, memory_notes, project_retention):
+                    await conn.execute(delete(t).where(t.c.project_id == node.id))
             await conn.execute(
                 delete(limits).where(limits.c.scope.in_([kind, MEMBER_SCOPES[kind]]), limits.c.scope_id == node.id)
             )
