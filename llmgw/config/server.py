@@ -295,6 +295,13 @@ class ModelConfig(_Block):
     aliases: list[str] = Field(default_factory=list, description="Other names a client may send.")
     description: str | None = Field(default=None, description="Shown in /v1/models when set.")
     max_output: int | None = Field(default=None, gt=0, description="The largest max_tokens a request may ask for.")
+    context_length: int | None = Field(
+        default=None,
+        gt=0,
+        description="Tokens of prompt and output one request may hold, told to clients in /v1/models; left "
+        "out: read from the profiles' engine arguments (--ctx-size over --parallel, --max-model-len, "
+        "--context-length) when they set it.",
+    )
     endpoints: list[EndpointConfig] = Field(
         default_factory=list, description="Engines already running that serve this model."
     )
@@ -373,6 +380,41 @@ class ModelConfig(_Block):
     def managed(self) -> bool:
         """Run by the control plane (it has profiles), as opposed to a static model."""
         return bool(self.profiles)
+
+    @property
+    def served_context(self) -> int | None:
+        """The context one request may use: context_length, else the smallest its profiles'
+        engine arguments give (llama.cpp divides --ctx-size among its --parallel slots), else
+        None (the engine's own default, which the gateway cannot know)."""
+        if self.context_length is not None:
+            return self.context_length
+        found = [c for c in (_profile_context(p) for p in self.profiles) if c is not None]
+        return min(found) if found else None
+
+
+def _arg(args: list[str], *names: str) -> int | None:
+    """The whole-number value of the last of ``names`` in an argument list (--flag N or --flag=N)."""
+    value: int | None = None
+    for i, a in enumerate(args):
+        text: str | None = None
+        if a in names and i + 1 < len(args):
+            text = args[i + 1]
+        elif "=" in a and a.split("=", 1)[0] in names:
+            text = a.split("=", 1)[1]
+        if text is not None and text.isdigit():
+            value = int(text)
+    return value
+
+
+def _profile_context(p: ProfileConfig) -> int | None:
+    if p.engine == "llamacpp":
+        ctx = _arg(p.args, "--ctx-size", "-c")
+        if not ctx:  # 0 is llama.cpp's "the model's own", unknown here
+            return None
+        return ctx // max(1, _arg(p.args, "--parallel", "-np") or 1)
+    if p.engine == "vllm":
+        return _arg(p.args, "--max-model-len")
+    return _arg(p.args, "--context-length")
 
 
 class PriceConfig(_Block):
@@ -517,6 +559,23 @@ class UsageConfig(_Block):
         "store has not taken by then is kept in usage-journal in data_dir, and the next start writes it to "
         "the store before serving.",
     )
+
+
+class ThreadsConfig(_Block):
+    """Conversations and agent notes without authentication (auth.enabled: false): one shared pool,
+    for one trusted machine only. With keys, each project turns them on by name instead
+    (`llmgw keys threads`, `llmgw keys memory`)."""
+
+    store: bool = Field(default=False, description="Keep conversations (x-llmgw-thread) and agent notes.")
+    retain_hours: int | None = Field(
+        default=None, ge=1, description="How long one is kept after its last turn or write; required with store."
+    )
+
+    @model_validator(mode="after")
+    def _retention(self) -> ThreadsConfig:
+        if self.store and self.retain_hours is None:
+            raise ValueError("threads.retain_hours is required with threads.store: how long to keep what is stored")
+        return self
 
 
 class AdmissionConfig(_Block):
@@ -816,6 +875,7 @@ class ServerConfig(_Block):
     models: list[ModelConfig] = Field(default_factory=list, description="The models served, with their engines.")
     landing: LandingConfig = Field(default_factory=LandingConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    threads: ThreadsConfig = Field(default_factory=ThreadsConfig)
 
     @property
     def data_path(self) -> str:
@@ -843,6 +903,11 @@ class ServerConfig(_Block):
             listeners["metrics_listen"] = self.metrics_listen
         if self.control.enabled:
             listeners["agent_listen"] = self.agent_listen
+        if self.threads.store and self.auth.enabled:
+            raise ValueError(
+                "threads.store keeps one pool for everyone and is for a gateway without authentication; with "
+                "auth.enabled, turn conversations on per project: llmgw keys threads --project P --retain-hours N"
+            )
         if self.control.lost_after <= self.control.unreachable_after:
             raise ValueError("control.lost_after must be longer than control.unreachable_after")
         if self.timeouts.first_byte < 2 * self.router.scrape_interval:

@@ -34,6 +34,7 @@ from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.control.shared_endpoints import SharedEndpoints
 from llmgw.server.gateway.auth import KeyCache
+from llmgw.server.gateway.conversations import Conversations
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet, read_endpoint_key
 from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.proxy import Gateway
@@ -93,6 +94,7 @@ class Server:
         # Engines run outside llmgw, by (model, url): those of models added at run time come and go.
         self._static = {(ep.model, ep.url): ep for ep in eps}
         self.gateway: Gateway | None = None
+        self.conversations: Conversations | None = None
         self.agents: AgentService | None = None
         self.catalog: Catalog | None = None
         self.reconciler: Reconciler | None = None
@@ -150,6 +152,8 @@ class Server:
                 log.warning("catalog: %s", problem)
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
+        self.conversations = Conversations(self.store, self.keys, cfg.threads, cfg.auth.enabled)
+        self.gateway.agents.keep(self.conversations)
         if self.gateway.accountant is not None:
             if self.shared_limits is not None:
                 await self.shared_limits.read_baseline()  # before the usage rows that hold it
@@ -162,6 +166,7 @@ class Server:
         await self.endpoints.start()
         self.keys.start()
         self.usage.start()
+        self.conversations.start()
         try:
             await self._listen(cfg.listen, "listen", self._client_app())
             await self._listen(cfg.admin_listen, "admin_listen", self._admin_app(), self._admin_tls())
@@ -237,6 +242,9 @@ class Server:
             await self.gateway.stop()
         if self.usage is not None:
             await self.usage.stop()
+        if self.conversations is not None:
+            # The turns whose replies were sent, written before the store closes.
+            await self.conversations.stop()
         if self.shared_limits is not None:
             await self.shared_limits.stop()
             self.shared_limits = None

@@ -682,7 +682,66 @@ class FakeEngine:
             return err
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             return self._error(400, "'messages' must be a non-empty array")
+        call = _forced_tool_call(body)
+        if call is not None:
+            return await self._tool_call(request, body, call)
         return await self._generate(request, body, chat_prompt_tokens(body["messages"]), "chat")
+
+    async def _tool_call(self, request: web.Request, body: dict, call: dict) -> web.StreamResponse:
+        """A request that must call a tool (tool_choice required, or one named) gets one call to
+        it, with arguments made from its schema: what a model constrained by grammar sends."""
+        prompt = chat_prompt_tokens(body["messages"])
+        completion = max(1, len(call["function"]["arguments"]) // 4)
+        self._account(prompt, completion, "tool_calls", time.perf_counter(), None)
+        usage = self._usage(prompt, completion)
+        base = {"id": self._new_id("chatcmpl"), "created": int(time.time()), "model": self.model}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            payload = {
+                **base,
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                "usage": usage,
+            }
+            return web.Response(body=orjson.dumps(payload), content_type=_JSON)
+        fn = call["function"]
+        args = fn["arguments"]
+        deltas = [
+            {"role": "assistant", "content": None},
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": ""},
+                    }
+                ]
+            },
+            *(
+                {"tool_calls": [{"index": 0, "function": {"arguments": args[i : i + 8]}}]}
+                for i in range(0, len(args), 8)
+            ),
+        ]
+        events = [
+            {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+            for d in deltas
+        ]
+        events.append(
+            {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+            }
+        )
+        opts = body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            events.append({**base, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        await resp.write(b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + _DONE)
+        await resp.write_eof()
+        return resp
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body, err = await self._read(request)
@@ -914,6 +973,37 @@ async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async with fe:
         print(fe.url, flush=True)
         await stop.wait()
+
+
+def _forced_tool_call(body: dict) -> dict | None:
+    """The tool a request obliges the model to call, as a chat tool call, or None."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not isinstance(tools, list) or not tools:
+        return None
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if choice != "required" and named is None:
+        return None
+    fns = [t.get("function") or {} for t in tools if isinstance(t, dict)]
+    fn = next((f for f in fns if f.get("name") == named), None) if named else (fns[0] if fns else None)
+    if fn is None:
+        return None
+    params = fn.get("parameters") or {}
+    props = params.get("properties") or {}
+    args = {k: _schema_value(props.get(k) or {}) for k in params.get("required") or []}
+    return {
+        "id": "call_" + hashlib.sha256(orjson.dumps(body.get("messages"))).hexdigest()[:24],
+        "type": "function",
+        "function": {"name": fn.get("name", ""), "arguments": orjson.dumps(args).decode()},
+    }
+
+
+def _schema_value(schema: dict) -> Any:
+    if schema.get("enum"):
+        return schema["enum"][0]
+    return {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}.get(
+        schema.get("type", "string"), "fake"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,7 @@ async def test_models_retrieve_by_name_and_alias_and_404_for_unknown(gw):
 def test_output_limit_reads_whole_numbers(value, read):
     for field in ("max_tokens", "max_completion_tokens", "n_predict"):
         body = {field: value}
-        got, _ = _output_limit(body, None)
+        got, _, _ = _output_limit(body, None)
         assert got == read
         if value is not None:
             assert body[field] == read and type(body[field]) is int  # sent on as the gateway read it
@@ -124,20 +124,20 @@ def test_output_limit_refuses_what_it_cannot_read_with_or_without_a_cap(value, s
 
 def test_output_limit_with_a_cap_always_sends_max_tokens():
     body: dict = {}
-    assert _output_limit(body, 200) == (200, True) and body == {"max_tokens": 200}
+    assert _output_limit(body, 200) == (200, True, None) and body == {"max_tokens": 200}
     body = {"n_predict": 50}  # an engine that does not read n_predict still stops at 50
-    assert _output_limit(body, 200) == (50, True) and body == {"n_predict": 50, "max_tokens": 50}
+    assert _output_limit(body, 200) == (50, True, None) and body == {"n_predict": 50, "max_tokens": 50}
     body = {"max_completion_tokens": 30}
-    assert _output_limit(body, 200) == (30, False) and body == {"max_completion_tokens": 30}
+    assert _output_limit(body, 200) == (30, False, None) and body == {"max_completion_tokens": 30}
     body = {"max_tokens": None}
-    assert _output_limit(body, 200) == (200, True) and body == {"max_tokens": 200}
+    assert _output_limit(body, 200) == (200, True, None) and body == {"max_tokens": 200}
     body = {"max_tokens": 10, "n_predict": 150}  # the largest: whichever an engine obeys, no more
     assert _output_limit(body, 200)[0] == 150
     with pytest.raises(_BadField) as e:
         _output_limit({"max_tokens": 10, "n_predict": 201}, 200)
     assert e.value.field == "n_predict" and e.value.code == "max_tokens_too_large"
     body = {}
-    assert _output_limit(body, None) == (None, False) and body == {}
+    assert _output_limit(body, None) == (None, False, None) and body == {}
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n_predict"])

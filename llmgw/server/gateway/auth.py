@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmgw.errors import LlmgwError
 from llmgw.server.gateway.principal import ANONYMOUS, DEFAULT_BAND, Pool, Principal  # noqa: F401  (re-exported)
@@ -139,6 +139,8 @@ class KeyCache:
         self._suspended: set[str] = set()  # hashes of keys whose owner is suspended
         self._revoked: dict[str, datetime] = {}
         self._generation: int | None = None
+        # What each project keeps for agents (conversations, notes): set with the keys, reloaded with them.
+        self._retention: dict[str, Any] = {}
         self._task: asyncio.Task | None = None
         self.reload_failures = 0
 
@@ -158,8 +160,15 @@ class KeyCache:
                 continue
             active[k.hash] = build_principal(k, tree, self.default_rpm, self.default_tpm)
         revoked = dict(await self._source.revoked_key_hashes())
+        settings = getattr(self._source, "retention_settings", None)
+        retention = {r.project_id: r for r in await settings()} if settings is not None else {}
         # Swap whole tables: a request never sees a half-built one.
         self._active, self._revoked, self._suspended, self._generation = active, revoked, suspended, generation
+        self._retention = retention
+
+    def retention(self, project_id: str | None) -> Any:
+        """The project's store.Retention (threads_hours, memory_hours), or None when it keeps nothing."""
+        return self._retention.get(project_id) if project_id is not None else None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch(), name="key cache")

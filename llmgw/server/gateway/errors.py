@@ -1,9 +1,12 @@
-"""Errors in the shape OpenAI's clients parse: {"error": {"message", "type", "code"}}."""
+"""Errors in the shape each API's clients parse: OpenAI's {"error": {"message", "type", "code"}}
+everywhere, and Anthropic's {"type": "error", "error": {"type", "message"}} on the Messages routes."""
 
 from __future__ import annotations
 
 import orjson
 from aiohttp import web
+
+from llmgw.server.gateway.messages_api import error_body as anthropic_error_body
 
 _TYPES = {
     400: "invalid_request_error",
@@ -28,8 +31,13 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 
 def error_response(
-    status: int, message: str, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    *,
+    anthropic: bool = False,
 ) -> web.Response:
-    return web.Response(
-        status=status, body=error_body(status, message, code, param), content_type="application/json", headers=headers
-    )
+    body = anthropic_error_body(status, message) if anthropic else error_body(status, message, code, param)
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)

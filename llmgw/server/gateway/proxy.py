@@ -22,6 +22,7 @@ from aiohttp import web
 
 from llmgw.config.server import ModelConfig, ServerConfig
 from llmgw.errors import LlmgwError
+from llmgw.server.gateway import messages_api
 from llmgw.server.gateway.admission import (
     Admission,
     AdmissionRejected,
@@ -30,11 +31,23 @@ from llmgw.server.gateway.admission import (
     pool_capacity,
     pool_saturation,
 )
+from llmgw.server.gateway.agent_apis import AgentApis
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
+from llmgw.server.gateway.conversations import THREAD_HEADER
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.limits import Accountant, AllowancePending, LimitError, Pricing, Reservation
-from llmgw.server.gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, Call, Refusal, Route, ServedModel, read_request
+from llmgw.server.gateway.request import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    OUTPUT_CLAMPED_HEADER,
+    Call,
+    Refusal,
+    Route,
+    ServedModel,
+    read_request,
+)
 from llmgw.server.gateway.routing import RouterCollector
 from llmgw.server.gateway.usage import UsageRecorder
 from llmgw.server.metrics import GatewayMetrics
@@ -43,6 +56,9 @@ from llmgw.store import UsageRow
 log = logging.getLogger("llmgw.gateway")
 
 _perf = time.perf_counter
+
+# Sent by Anthropic's SDKs on every request: GET /v1/models answers them in their shape.
+ANTHROPIC_VERSION = "anthropic-version"
 
 # A request may ask for a lower admission band than its key's, never a higher one.
 BAND_HEADER = "X-Llmgw-Band"
@@ -142,6 +158,10 @@ class _StreamCut(LlmgwError):
     """The engine's stream broke after the client had already received bytes."""
 
 
+class _Translated(LlmgwError):
+    """A translated stream ended normally (it leaves the pass-through loop by this)."""
+
+
 # Set on a request whose usage is recorded, so a cancellation after it records nothing more.
 _RECORDED = web.RequestKey("llmgw.recorded", bool)
 
@@ -202,18 +222,25 @@ class Gateway:
         self._timeout = aiohttp.ClientTimeout(total=t.generation, sock_connect=t.connect)
         self._first_byte = t.first_byte
         self._session: aiohttp.ClientSession | None = None
+        # The agents' routes (Responses, Messages, threads); the server gives them its conversations.
+        self.agents = AgentApis(self, None)
 
     def set_models(self, models: Sequence[ModelConfig]) -> None:
         """The models served: server.yaml's, or the control plane's catalog after each change."""
         table: dict[str, ServedModel] = {}
         for m in models:
-            served = ServedModel(m.name, tuple(m.aliases), m.description, m.max_output, m.managed)
+            served = ServedModel(m.name, tuple(m.aliases), m.description, m.max_output, m.managed, m.served_context)
             for name in (m.name, *m.aliases):
                 table[name] = served
         self._model_configs = list(models)
         self.models = table
         self.router.set_model_strategies({m.name: m.routing for m in models})
         self._models_body, self._model_bodies = self._render_models()
+        entries = [orjson.loads(b) for b in self._model_bodies.values()]
+        self._anthropic_models = messages_api.models_page(entries)
+        self._anthropic_model_bodies = {
+            e["id"]: orjson.dumps(orjson.loads(messages_api.models_page([e]))["data"][0]) for e in entries
+        }
 
     @property
     def model_configs(self) -> list[ModelConfig]:
@@ -232,6 +259,9 @@ class Gateway:
                     entry["description"] = m.description
                 if m.max_output is not None:
                     entry["max_output"] = m.max_output
+                if (context := m.served_context) is not None:
+                    # What a client should size its prompt and max_tokens to (agents read it).
+                    entry["context_length"] = context
                 data.append(entry)
         return orjson.dumps({"object": "list", "data": data}), {e["id"]: orjson.dumps(e) for e in data}
 
@@ -257,7 +287,17 @@ class Gateway:
             self._session = None
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/chat/completions", self._handler(CHAT))
+        chat = self._handler(CHAT)
+        agents = self.agents
+
+        async def chat_or_thread(request: web.Request) -> web.StreamResponse:
+            # A conversation the gateway keeps goes by way of its store; any other, straight on.
+            if THREAD_HEADER in request.headers:
+                return await agents.chat_thread(request)
+            return await chat(request)
+
+        app.router.add_post("/v1/chat/completions", chat_or_thread)
+        agents.add_routes(app)
         app.router.add_post("/v1/completions", self._handler(COMPLETIONS))
         app.router.add_post("/v1/embeddings", self._handler(EMBEDDINGS))
         app.router.add_get("/v1/models", self.list_models)
@@ -269,29 +309,39 @@ class Gateway:
     def _authenticate(self, request: web.Request) -> Principal:
         if self.keys is None:
             return ANONYMOUS
-        return self.keys.authenticate(request.headers.get("Authorization"))
+        header = request.headers.get("Authorization")
+        if header is None and (key := request.headers.get("x-api-key")) is not None:
+            # Anthropic's SDKs (and Claude Code with ANTHROPIC_API_KEY) send the key this way.
+            header = f"Bearer {key}"
+        return self.keys.authenticate(header)
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
+        anthropic = ANTHROPIC_VERSION in request.headers
         try:
             self._authenticate(request)
         except AuthError as exc:
-            return error_response(401, exc.message, exc.code)
+            return error_response(401, exc.message, exc.code, anthropic=anthropic)
+        if anthropic:
+            # Anthropic's SDKs list models at the same path, in their own shape.
+            return web.Response(body=self._anthropic_models, content_type="application/json")
         return web.Response(body=self._models_body, content_type="application/json")
 
     async def get_model(self, request: web.Request) -> web.StreamResponse:
         """One model by name or alias (the SDKs' models.retrieve), in the listing's form."""
+        anthropic = ANTHROPIC_VERSION in request.headers
         try:
             self._authenticate(request)
         except AuthError as exc:
-            return error_response(401, exc.message, exc.code)
+            return error_response(401, exc.message, exc.code, anthropic=anthropic)
         name = request.match_info["model"]
-        body = self._model_bodies.get(name)
+        body = (self._anthropic_model_bodies if anthropic else self._model_bodies).get(name)
         if body is None:
             return error_response(
                 404,
                 f"The model '{name}' does not exist; GET /v1/models lists the models you can use",
                 "model_not_found",
                 "model",
+                anthropic=anthropic,
             )
         return web.Response(body=body, content_type="application/json")
 
@@ -307,22 +357,14 @@ class Gateway:
         self, route: Route, model: str, status: int, message: str, code: str | None, param: str | None = None
     ) -> web.Response:
         self.metrics.count_request(model, route.name, status)
-        return error_response(status, message, code, param)
+        return error_response(status, message, code, param, anthropic=route.anthropic)
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         t0 = _perf()
-        try:
-            principal = self._authenticate(request)
-        except AuthError as exc:
-            return self._refuse(route, "", 401, exc.message, exc.code)
-
-        if request.content_length is not None and request.content_length > self.max_body:
-            return self._too_large(route)
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._too_large(route)
-        return await self._serve(request, route, principal, raw, t0)
+        got = await self.read_body(request, route)
+        if isinstance(got, web.Response):
+            return got
+        return await self._serve(request, route, got[0], got[1], t0)
 
     async def serve_as(
         self, request: web.Request, route: Route, principal: Principal, raw: bytes
@@ -331,6 +373,20 @@ class Gateway:
         key's from here on (limits, admission, routing, usage), with the principal the page built."""
         return await self._serve(request, route, principal, raw, _perf())
 
+    async def read_body(self, request: web.Request, route: Route) -> tuple[Principal, bytes] | web.Response:
+        """Who sent a request and its bytes, or the refusal (no key, too large) in the route's shape."""
+        try:
+            principal = self._authenticate(request)
+        except AuthError as exc:
+            return self._refuse(route, "", 401, exc.message, exc.code)
+        if request.content_length is not None and request.content_length > self.max_body:
+            return self._too_large(route)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._too_large(route)
+        return principal, raw
+
     async def _serve(
         self, request: web.Request, route: Route, principal: Principal, raw: bytes, t0: float
     ) -> web.StreamResponse:
@@ -338,12 +394,30 @@ class Gateway:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return self._refuse(route, "", 400, f"the request body is not valid JSON: {exc}", "invalid_json")
-        call = read_request(route, body, self.models)
+        return await self.serve_body(request, route, principal, body, raw, t0)
+
+    async def serve_body(
+        self,
+        request: web.Request,
+        route: Route,
+        principal: Principal,
+        body: object,
+        raw: bytes,
+        t0: float,
+        reply: Any = None,
+        prompt_estimate: int | None = None,
+    ) -> web.StreamResponse:
+        """A parsed request down the whole path. ``reply`` (agent_apis.py) writes a translated
+        route's answer and hears the reply's messages; ``raw`` is what the limits estimate from."""
+        call = read_request(route, body, self.models, prompt_estimate)
         if isinstance(call, Refusal):
             return self._refuse(route, call.model, call.status, call.message, call.code, call.param)
         call.principal = principal
         call.raw = raw
         call.t0 = t0
+        if reply is not None:
+            call.reply = reply
+            call.changed = True
         served = call.served
         # Read once. A reservation implies the accountant and a ticket the admission; the
         # `is not None` tests on them below only tell the type checker so (an identity compare each).
@@ -359,7 +433,9 @@ class Gateway:
                     res = call.res = await accountant.refilled(pending, principal, served.name, *estimate)
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
-                return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None)
+                return error_response(
+                    exc.status, exc.message, exc.code, headers=exc.headers or None, anthropic=route.anthropic
+                )
         ticket: Ticket | None = None
         try:
             if admission is not None:
@@ -371,10 +447,14 @@ class Gateway:
                         ticket = await admission.wait(served.name, band, principal.tenant)
                     except AdmissionRejected as exc:
                         self.metrics.count_request(served.name, route.name, exc.status)
-                        return error_response(exc.status, exc.message, exc.code, headers=exc.headers())
+                        return error_response(
+                            exc.status, exc.message, exc.code, headers=exc.headers(), anthropic=route.anthropic
+                        )
             resp = await self._forward(request, call)
-            if res is not None and accountant is not None and not resp.prepared:
-                resp.headers.update(accountant.headers(principal))
+            if not resp.prepared:
+                if res is not None and accountant is not None:
+                    resp.headers.update(accountant.headers(principal))
+                _reply_headers(call, resp)
             return resp
         finally:
             if ticket is not None and admission is not None:
@@ -403,7 +483,7 @@ class Gateway:
         demand = self.demand if served.managed else None
         if demand is not None:
             demand.touch(served.name)
-        blocks = self.router.blocks_for(served.name, route.name, body)
+        blocks = self.router.blocks_for(served.name, route.kind, body)
         for attempt in range(attempts):
             ep = self.endpoints.choose(served.name, tried, blocks)
             if ep is None and not tried and demand is not None:
@@ -514,7 +594,7 @@ class Gateway:
     def _finish_error(
         self, call: Call, ep: Endpoint | None, upstream_time: float, status: int, message: str, code: str
     ) -> web.Response:
-        resp = error_response(status, message, code)
+        resp = error_response(status, message, code, anthropic=call.route.anthropic)
         elapsed = _perf() - call.t0
         resp.headers["Server-Timing"] = _timing(elapsed - upstream_time, upstream_time)
         self.metrics.count_request(call.served.name, call.route.name, status)
@@ -546,6 +626,8 @@ class Gateway:
         else:
             ep.record_success()
         prompt = completion = 0
+        reply = call.reply
+        translated: bytes | None = None
         if status == 200 and upstream.content_type == "application/json":
             try:
                 obj = orjson.loads(data)
@@ -556,7 +638,9 @@ class Gateway:
                 if isinstance(usage, dict):
                     prompt, completion = _tokens(usage)
                 engine_name = obj.get("model")
-                if engine_name is not None and engine_name != call.asked:
+                if reply is not None:
+                    translated = reply.whole(obj)
+                elif engine_name is not None and engine_name != call.asked:
                     # The client sees the name it asked for (an alias, say), not the engine's:
                     # the field's bytes replaced where they are plainly the top-level value (a
                     # large embeddings answer is not re-encoded), else the answer re-encoded.
@@ -570,7 +654,23 @@ class Gateway:
                     else:
                         obj["model"] = call.asked
                         data = orjson.dumps(obj)
-        if status >= 500:
+        if translated is not None:
+            data = translated
+            headers = {"Content-Type": reply.content_type}
+        elif reply is not None and status != 200:
+            # The engine refused it (a prompt too long, say): its reason in this API's shape.
+            if status < 500:
+                data = reply.error(status, _engine_message(data, status))
+            else:
+                _log_engine_error(ep, served, f"answered {status}: {data[:500].decode(errors='replace')}")
+                data = reply.error(status, f"the model's engine failed (it answered {status}); try again")
+            headers = {"Content-Type": "application/json"}
+        elif reply is not None:
+            _log_engine_error(ep, served, f"answered 200 with {upstream.content_type}, not a chat completion")
+            status = 502
+            data = reply.error(status, "the model's engine answered something that is not a chat completion")
+            headers = {"Content-Type": "application/json"}
+        elif status >= 500:
             # An engine's own failure text may name its host, paths or devices: the operator
             # reads it in the log; the client reads what happened to its request.
             _log_engine_error(ep, served, f"answered {status}: {data[:500].decode(errors='replace')}")
@@ -609,6 +709,7 @@ class Gateway:
             # A stream's headers leave before its tokens are known: they show the pools
             # with this request's estimate charged.
             resp.headers.update(self.accountant.headers(call.principal))
+        _reply_headers(call, resp)
         upstream_time = upstream_before + t_headers - t_up
         own = _perf() - t0 - upstream_time
         resp.headers["Server-Timing"] = _timing(own, upstream_time)
@@ -634,8 +735,37 @@ class Gateway:
             return resp
         pending = b""
         strip_usage = not call.client_wants_usage
+        reply = call.reply
+        usage_seen: dict | None = None
         try:
             try:
+                if reply is not None:
+                    # A translated route: every event is decoded and written in the client's API.
+                    await resp.write(reply.start())
+                    async for chunk in upstream.content.iter_any():
+                        data = pending + chunk if pending else chunk
+                        cut = data.rfind(b"\n\n")
+                        if cut < 0:
+                            pending = data
+                            continue
+                        cut += 2
+                        out, pending = data[:cut], data[cut:]
+                        if not counted:
+                            if patterns is None:
+                                patterns = _OUTPUT_FIELDS_SEEN[call.route.kind, b'": "' in out]
+                            seen += _count_output(out, patterns)
+                        translated, usage = _translate_events(out, reply)
+                        if usage is not None:
+                            usage_seen = usage
+                            prompt, completion = _tokens(usage)
+                            counted = True
+                        if translated:
+                            if ttft is None:
+                                ttft = _perf() - t0
+                            await resp.write(translated)
+                    await resp.write_eof(reply.end(usage_seen))
+                    ep.record_success()
+                    raise _Translated
                 async for chunk in upstream.content.iter_any():
                     data = pending + chunk if pending else chunk
                     cut = data.rfind(b"\n\n")
@@ -654,7 +784,7 @@ class Gateway:
                             continue
                     if usage is None and not counted:
                         if patterns is None:
-                            patterns = _OUTPUT_FIELDS_SEEN[call.route.name, b'": "' in out]
+                            patterns = _OUTPUT_FIELDS_SEEN[call.route.kind, b'": "' in out]
                         seen += _count_output(out, patterns)
                     if rename:
                         if old_model is None:
@@ -685,13 +815,22 @@ class Gateway:
                 raise _StreamCut from exc
             await resp.write_eof()  # no-op when the last event already ended the body
             ep.record_success()
+        except _Translated:
+            pass
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             # The client left: drop the engine request with it so it stops generating.
             status = 499
             ep.record_success()
         except _StreamCut:
             log.warning("stream from %s (%s) broke off after the first byte", ep.url, served.name)
-            if request.transport is not None:
+            tail = reply.fail("the model's engine broke off its reply") if reply is not None else None
+            if tail is not None:
+                # The client's API has a way to say so: its failure event, then the end.
+                try:
+                    await resp.write_eof(tail)
+                except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                    pass
+            elif request.transport is not None:
                 request.transport.close()
         except asyncio.CancelledError as exc:
             # The client left and aiohttp cancelled the handler: record what passed (below, without
@@ -843,3 +982,51 @@ def _take_usage(block: bytes, strip: bool) -> tuple[bytes, dict | None]:
     if not dropped:
         return block, usage
     return b"".join(e + b"\n\n" for e in kept), usage
+
+
+def _translate_events(block: bytes, reply: Any) -> tuple[bytes, dict | None]:
+    """A run of complete SSE events from the engine, written by a translated route's reply;
+    with the usage object when one of them carries it."""
+    out: list[bytes] = []
+    usage = None
+    for event in block.split(b"\n\n"):
+        if not event.startswith(b"data:"):
+            continue
+        payload = event[5:].strip()
+        if payload == b"[DONE]":
+            continue
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(chunk, dict):
+            continue
+        if isinstance(chunk.get("usage"), dict):
+            usage = chunk["usage"]
+        out.append(reply.event(chunk))
+    return b"".join(out), usage
+
+
+def _engine_message(data: bytes, status: int) -> str:
+    """What an engine said when it refused a request (OpenAI's error shape, or llama.cpp's)."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(obj.get("message"), str):
+            return obj["message"]
+    return f"the model's engine refused the request (it answered {status})"
+
+
+def _reply_headers(call: Call, resp: web.StreamResponse) -> None:
+    """The headers a request's own handling adds: a lowered max_tokens, a translated route's own."""
+    if call.clamped is not None:
+        resp.headers[OUTPUT_CLAMPED_HEADER] = f"{call.clamped[0]}->{call.clamped[1]}"
+    if call.reply is not None:
+        resp.headers.update(call.reply.headers)

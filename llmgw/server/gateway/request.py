@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -24,14 +25,29 @@ class Route:
     """One OpenAI route: its upstream path and what its body must hold."""
 
     name: str
-    path: str
+    path: str  # the engine's route it is sent to
     required: str  # the field without which the request makes no sense
     streams: bool
+    kind: str = ""  # the engine API it speaks (chat, completions, embeddings): its name, unless translated
+    # A max_tokens above the model's limit is lowered to it (said in OUTPUT_CLAMPED_HEADER) rather
+    # than refused: the agents' routes, whose clients send a fixed large one on every turn.
+    clamps: bool = False
+    anthropic: bool = False  # errors in Anthropic's shape (errors.py)
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", self.name)
 
 
 CHAT = Route("chat", "/v1/chat/completions", "messages", True)
 COMPLETIONS = Route("completions", "/v1/completions", "prompt", True)
 EMBEDDINGS = Route("embeddings", "/v1/embeddings", "input", False)
+# Translated to chat completions and back (responses_api.py, messages_api.py).
+RESPONSES = Route("responses", "/v1/chat/completions", "messages", True, kind="chat", clamps=True)
+MESSAGES = Route("messages", "/v1/chat/completions", "messages", True, kind="chat", clamps=True, anthropic=True)
+
+# Set on a reply whose max_tokens was lowered to what the model allows: "ASKED->ALLOWED".
+OUTPUT_CLAMPED_HEADER = "X-Llmgw-Max-Tokens-Clamped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +57,7 @@ class ServedModel:
     description: str | None
     max_output: int | None
     managed: bool = False  # run by the control plane: it may have to be loaded first
+    context_length: int | None = None  # tokens of prompt and output one request may hold, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,15 +92,22 @@ class Call:
     raw: bytes = b""
     t0: float = 0.0  # perf_counter when the request arrived
     res: Reservation | None = None
+    clamped: tuple[int, int] | None = None  # (asked, allowed) when a clamping route lowered max_tokens
+    reply: Any = None  # a translated route's Reply (agent_apis.py): how the engine's answer is written back
 
 
-def read_request(route: Route, body: object, models: Mapping[str, ServedModel]) -> Call | Refusal:
+def read_request(
+    route: Route, body: object, models: Mapping[str, ServedModel], prompt_estimate: int | None = None
+) -> Call | Refusal:
     """Check a parsed request body for ``route``; the request to forward, or why it is refused.
 
     ``models`` maps every served name and alias to its model. The body is rewritten in place
     where the engine must be sent something else: output limits as whole numbers, a max_tokens
     under a model's max_output, and include_usage asked on every stream (so its tokens are
     counted), which is stripped from the answer again when the client did not ask for it.
+    On a clamping route a max_tokens above the limit is lowered to it instead of refused; the
+    limit there is also what the context leaves after ``prompt_estimate`` tokens, when the
+    model's context length is known.
     """
     if not isinstance(body, dict):
         return Refusal(400, "the request body should be a JSON object", "invalid_request", None, "")
@@ -105,7 +129,7 @@ def read_request(route: Route, body: object, models: Mapping[str, ServedModel]) 
         return Refusal(
             400, f"'{route.required}' is required for {route.path}", "missing_field", route.required, served.name
         )
-    if route.name == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
+    if route.kind == "chat" and (not isinstance(body["messages"], list) or not body["messages"]):
         return Refusal(
             400, "'messages' should be a non-empty list of messages", "invalid_request", "messages", served.name
         )
@@ -114,9 +138,16 @@ def read_request(route: Route, body: object, models: Mapping[str, ServedModel]) 
         return Refusal(400, "'stream' should be true or false", "invalid_request", "stream", served.name)
     out_limit: int | None = None
     changed = False
+    clamped: tuple[int, int] | None = None
     if route.streams:  # the routes that generate; embeddings have no output to cap
+        cap = served.max_output
+        if route.clamps and prompt_estimate is not None and served.context_length is not None:
+            # What the context leaves after the prompt: an engine refuses (vLLM) or cuts short
+            # (llama.cpp) a request whose prompt and output do not fit.
+            room = max(1, served.context_length - prompt_estimate)
+            cap = room if cap is None else min(cap, room)
         try:
-            out_limit, changed = _output_limit(body, served.max_output)
+            out_limit, changed, clamped = _output_limit(body, cap, route.clamps)
         except _BadField as exc:
             return Refusal(400, exc.message, exc.code, exc.field, served.name)
     client_wants_usage = True
@@ -132,7 +163,9 @@ def read_request(route: Route, body: object, models: Mapping[str, ServedModel]) 
         if not client_wants_usage:
             body["stream_options"] = {**opts, "include_usage": True}
             changed = True
-    return Call(route, served, name, body, changed, stream, client_wants_usage, out_limit)
+    call = Call(route, served, name, body, changed, stream, client_wants_usage, out_limit)
+    call.clamped = clamped
+    return call
 
 
 # What a request asks an engine to generate at most, by every name engines read it under:
@@ -150,9 +183,10 @@ class _BadField(LlmgwError):
         self.code = code
 
 
-def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
+def _output_limit(body: dict, cap: int | None, clamp: bool = False) -> tuple[int | None, bool, tuple[int, int] | None]:
     """Read the request's output limit, the same way for each of _OUTPUT_FIELDS; returns it
-    (the largest given, None when none is) and whether the body was changed.
+    (the largest given, None when none is), whether the body was changed, and (asked, cap)
+    when ``clamp`` lowered a limit above the cap to it.
 
     A whole number is read as such, 200.0 included (and sent on as 200, so the engine reads
     what the gateway read); null is "not given". Anything else (200.5, a negative number, a
@@ -164,6 +198,7 @@ def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
     largest: int | None = None
     changed = False
     openai_named = False
+    clamped: tuple[int, int] | None = None
     for field in _OUTPUT_FIELDS:
         v = body.get(field)
         if v is None:
@@ -176,7 +211,11 @@ def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
             raise _BadField(field, f"'{field}' should be a whole number of tokens, not {shown}")
         if v < 0:
             raise _BadField(field, f"'{field}' is {v}; give a number of tokens of 0 or more, or leave it out")
-        if cap is not None and v > cap:
+        if cap is not None and v > cap and clamp:
+            clamped = (max(v, clamped[0]) if clamped else v, cap)
+            v = body[field] = cap
+            changed = True
+        elif cap is not None and v > cap:
             raise _BadField(
                 field,
                 f"{field} is {v}, but this model allows at most {cap}; ask for {cap} or "
@@ -191,4 +230,4 @@ def _output_limit(body: dict, cap: int | None) -> tuple[int | None, bool]:
         largest = cap if largest is None else largest
         body["max_tokens"] = largest
         changed = True
-    return largest, changed
+    return largest, changed, clamped

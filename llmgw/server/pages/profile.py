@@ -447,8 +447,6 @@ class ProfilePage:
             "fields": [],
             "command": "",
             "run": setup_scripts.run_after(tool),
-            "responses_missing": tool == "codex"
-            and not any(r.canonical == "/v1/responses" for r in request.app.router.resources()),
         }
         if tool == "cline":
             editor["fields"] = setup_scripts.cline_fields(origin, model)
