@@ -8,7 +8,6 @@ The same against a real llama-server is tests/e2e/test_agent_apis_e2e.py.
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import anthropic
@@ -24,6 +23,7 @@ from llmgw.server.gateway.request import OUTPUT_CLAMPED_HEADER
 from llmgw.store.records import utcnow
 from llmgw.testing.fake_engine import FakeEngine, chat_prompt_tokens
 from llmgw.testing.mcp_client import official_client
+from llmgw.testing.ports import free_port
 
 PROJECT = "Acme/platform/gateway"
 WEATHER = {
@@ -38,18 +38,12 @@ WEATHER = {
 }
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 async def gw(tmp_path):
     engine = await FakeEngine(tokens=6).start()
     cfg = {
-        "listen": f"127.0.0.1:{_port()}",
-        "admin_listen": f"127.0.0.1:{_port()}",
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin_listen": f"127.0.0.1:{free_port()}",
         "metrics_listen": None,
         "auth": {"store": str(tmp_path / "gw.db"), "pricing": {"m": {"prompt_per_1k": 1.0, "completion_per_1k": 2.0}}},
         "router": {"scrape_interval": "100ms"},
@@ -513,8 +507,8 @@ def _structured(result) -> dict:
 async def test_without_authentication_threads_store_keeps_one_shared_pool(tmp_path):
     engine = await FakeEngine(tokens=3).start()
     cfg = {
-        "listen": f"127.0.0.1:{_port()}",
-        "admin_listen": f"127.0.0.1:{_port()}",
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin_listen": f"127.0.0.1:{free_port()}",
         "metrics_listen": None,
         "auth": {"enabled": False, "store": str(tmp_path / "gw.db")},
         "threads": {"store": True, "retain_hours": 1},

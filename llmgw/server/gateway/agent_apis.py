@@ -66,11 +66,42 @@ class _Reply:
             self._on_turn = None  # one turn per reply, whichever way it ended
 
 
-class ResponsesReply(_Reply):
+class _TranslatedReply(_Reply):
+    """A reply in another API: the engine's stream rewritten event by event by that API's
+    translation (a ResponseStream or a MessageStream: start, feed, finish, fail)."""
+
+    def __init__(self, on_turn: OnTurn | None) -> None:
+        super().__init__(on_turn)
+        self._stream: Any = None
+
+    def _new_stream(self) -> Any:
+        raise NotImplementedError
+
+    def _kept(self) -> bool:
+        """Whether the stream that ended holds a turn to keep."""
+        return True
+
+    def start(self) -> bytes:
+        self._stream = self._new_stream()
+        return self._stream.start()
+
+    def event(self, chunk: dict) -> bytes:
+        return self._stream.feed(chunk)
+
+    def end(self, usage: dict | None) -> bytes:
+        out = self._stream.finish(usage)
+        if self._kept():
+            self._turn(self._stream.reply_messages())
+        return out
+
+    def fail(self, message: str) -> bytes | None:
+        return self._stream.fail(message)
+
+
+class ResponsesReply(_TranslatedReply):
     def __init__(self, req: responses_api.ResponsesRequest, on_turn: OnTurn | None) -> None:
         super().__init__(on_turn)
         self.req = req
-        self._stream: responses_api.ResponseStream | None = None
 
     def whole(self, completion: dict) -> bytes:
         obj, messages = responses_api.render_response(self.req, completion)
@@ -80,31 +111,17 @@ class ResponsesReply(_Reply):
     def error(self, status: int, message: str) -> bytes:
         return error_body(status, message, "upstream_error" if status >= 500 else "invalid_request")
 
-    def start(self) -> bytes:
-        self._stream = responses_api.ResponseStream(self.req)
-        return self._stream.start()
+    def _new_stream(self) -> responses_api.ResponseStream:
+        return responses_api.ResponseStream(self.req)
 
-    def event(self, chunk: dict) -> bytes:
-        assert self._stream is not None
-        return self._stream.feed(chunk)
-
-    def end(self, usage: dict | None) -> bytes:
-        assert self._stream is not None
-        out = self._stream.finish(usage)
-        if self._stream.response().get("status") != "failed":  # an engine's error event: no turn to keep
-            self._turn(self._stream.reply_messages())
-        return out
-
-    def fail(self, message: str) -> bytes | None:
-        assert self._stream is not None
-        return self._stream.fail(message)
+    def _kept(self) -> bool:
+        return self._stream.response().get("status") != "failed"  # an engine's error event: no turn
 
 
-class MessagesReply(_Reply):
+class MessagesReply(_TranslatedReply):
     def __init__(self, req: messages_api.MessagesRequest, on_turn: OnTurn | None) -> None:
         super().__init__(on_turn)
         self.req = req
-        self._stream: messages_api.MessageStream | None = None
 
     def whole(self, completion: dict) -> bytes:
         try:
@@ -118,23 +135,8 @@ class MessagesReply(_Reply):
     def error(self, status: int, message: str) -> bytes:
         return messages_api.error_body(status, message)
 
-    def start(self) -> bytes:
-        self._stream = messages_api.MessageStream(self.req)
-        return self._stream.start()
-
-    def event(self, chunk: dict) -> bytes:
-        assert self._stream is not None
-        return self._stream.feed(chunk)
-
-    def end(self, usage: dict | None) -> bytes:
-        assert self._stream is not None
-        out = self._stream.finish(usage)
-        self._turn(self._stream.reply_messages())
-        return out
-
-    def fail(self, message: str) -> bytes | None:
-        assert self._stream is not None
-        return self._stream.fail(message)
+    def _new_stream(self) -> messages_api.MessageStream:
+        return messages_api.MessageStream(self.req)
 
 
 class ChatThreadReply(_Reply):
