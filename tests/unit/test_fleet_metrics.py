@@ -79,7 +79,14 @@ def fleet() -> AgentService:
             ],
             ib_ports=[
                 IBPort(hca="mlx5_0", port=1, state="DOWN", phys_state="Polling"),
-                IBPort(hca="mlx5_1", port=1, state="ACTIVE", phys_state="LinkUp", rate_gbps=200.0),
+                IBPort(
+                    hca="mlx5_1",
+                    port=1,
+                    state="ACTIVE",
+                    phys_state="LinkUp",
+                    rate_gbps=200.0,
+                    counters={"symbol_error": 12, "link_downed": 0, "port_xmit_data": 4096, "port_rcv_errors": 3},
+                ),
             ],
             provision=[
                 ProvisionStatus(engine="llamacpp", version="b1", state=ProvisionState.READY),
@@ -151,6 +158,15 @@ def test_ib_ports_come_from_the_latest_heartbeat():
     assert s['llmgw_ib_port_active{hca="mlx5_1",node="gpu-1",phys_state="LinkUp",port="1",state="ACTIVE"}'] == 1
     assert s['llmgw_ib_port_rate_gbps{hca="mlx5_1",node="gpu-1",port="1"}'] == 200
     assert 'llmgw_ib_port_rate_gbps{hca="mlx5_0",node="gpu-1",port="1"}' not in s
+
+
+def test_ib_error_counters_are_series_only_once_non_zero_and_traffic_is_not_an_error():
+    s = samples(scrape(FleetCollector(fleet(), list)))
+    assert s['llmgw_ib_port_counter_total{counter="symbol_error",hca="mlx5_1",node="gpu-1",port="1"}'] == 12
+    assert s['llmgw_ib_port_counter_total{counter="port_rcv_errors",hca="mlx5_1",node="gpu-1",port="1"}'] == 3
+    assert not [
+        k for k in s if k.startswith("llmgw_ib_port_counter_total") and ("link_downed" in k or "xmit_data" in k)
+    ]
 
 
 def test_unreported_values_are_absent_not_zero():

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw.server.control.agents import NodeState
 from llmgw.server.control.placement import gpu_class_of
@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from llmgw.server.control.agents import AgentService, Node
 
 STALE_AFTER = 60.0
+
+# A port's traffic counters, which say it carries data, not that it is failing; every other
+# counter the agent reads (symbol errors, link downs, discards ...) is an error counter.
+TRAFFIC_COUNTERS = frozenset(
+    {"port_xmit_data", "port_rcv_data", "port_xmit_packets", "port_rcv_packets", "port_xmit_wait"}
+)
 
 
 class ReplicaLike(Protocol):
@@ -142,6 +148,10 @@ class FleetCollector:
                 )
             if p.rate_gbps is not None:
                 f.ib_rate.add_metric([nid, p.hca, str(p.port)], p.rate_gbps)
+            for name, value in sorted((p.counters or {}).items()):
+                # Only errors that happened: a fleet of clean ports adds no series.
+                if value and name not in TRAFFIC_COUNTERS:
+                    f.ib_errors.add_metric([nid, p.hca, str(p.port), name], float(value))
 
         for engine, st in sorted(node.provision.items()):
             f.provision.add_metric([nid, engine, st.state.value], 1.0)
@@ -239,6 +249,11 @@ class _Families:
             ["node", "hca", "port", "state", "phys_state"],
         )
         self.ib_rate = _gauge("llmgw_ib_port_rate_gbps", "Link rate of the port.", ["node", "hca", "port"])
+        self.ib_errors = CounterMetricFamily(
+            "llmgw_ib_port_counter",
+            "An InfiniBand/RoCE port's error counter as sysfs counts it (since the driver loaded); only non-zero ones.",
+            labels=["node", "hca", "port", "counter"],
+        )
         self.provision = _gauge(
             "llmgw_node_provision", "1 for each engine's provisioning state on the node.", ["node", "engine", "state"]
         )
