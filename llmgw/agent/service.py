@@ -28,6 +28,7 @@ from llmgw.agent.discovery.collect import Discovery, DiscoveryOptions
 from llmgw.agent.engines import LaunchRefused, UnknownEngine, adapter_for, metric_names, plan_shard
 from llmgw.agent.engines.spec import GPU as LaunchGPU
 from llmgw.agent.engines.spec import Adapter, EngineSettings, Group, NodeFacts, Profile, ShardLaunch
+from llmgw.agent.fabrics import FabricCheck, check_fabrics
 from llmgw.agent.identity import Identity, resolve_identity
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import ConvergeLoop, Installer, Want
@@ -49,9 +50,9 @@ from llmgw.protocol import (
     PROTOCOL_VERSION,
     Ack,
     DrainShard,
-    FabricAttachment,
     FetchProgress,
     Heartbeat,
+    IBPort,
     LocalWeights,
     LogsReply,
     LogsRequest,
@@ -118,6 +119,7 @@ class Agent:
         self._outbox: asyncio.Queue[Message] | None = None
         self._specs: dict[str, StartShard] = {}  # as received, echoed back in registrations
         self._starting: dict[str, asyncio.Task] = {}
+        self._fabrics_sent: FabricCheck | None = None  # the last fabrics check sent
         self._tasks: set[asyncio.Task] = set()
 
     # -- lifecycle ----------------------------------------------------------
@@ -211,6 +213,8 @@ class Agent:
     def _register(self) -> Register:
         inv = self.inventory
         assert inv is not None and self.supervisor is not None and self.installer is not None
+        fabrics = self._fabrics_now(inv.ib_ports if inv.adapters is not None else None, force=True)
+        assert fabrics is not None
         return Register(
             node_id=self.identity.node_id,
             protocol_version=PROTOCOL_VERSION,
@@ -222,7 +226,8 @@ class Agent:
             labels=dict(self.cfg.labels),
             mgmt_addr=self.identity.mgmt_addr,
             mgmt_interface=self.identity.mgmt_interface,
-            fabrics=[FabricAttachment(fabric=f.name, hcas=list(f.hcas)) for f in self.cfg.fabrics],
+            fabrics=list(fabrics.advertised),
+            fabric_problems=list(fabrics.problems),
             shards=self._running_shards(),
             weights=self._weights_held(),
         )
@@ -253,6 +258,7 @@ class Agent:
         assert self.supervisor is not None and self.installer is not None
         pids = {s.shard_id: s.pid for s in self.supervisor.statuses() if s.pid}
         sample = await asyncio.to_thread(self.discovery.sample, pids)
+        fabrics = self._fabrics_now(sample.ib_ports) if self.cfg.fabrics else None
         return Heartbeat(
             node_id=self.identity.node_id,
             memory=sample.memory,
@@ -264,7 +270,23 @@ class Agent:
             provision=[_provision_msg(s) for s in self.installer.statuses.values()],
             shards=[self._status_msg(s) for s in self.supervisor.statuses()],
             weights=self._weights_held(),
+            fabrics=list(fabrics.advertised) if fabrics is not None else None,
+            fabric_problems=list(fabrics.problems) if fabrics is not None else None,
         )
+
+    def _fabrics_now(self, ports: list[IBPort] | None, force: bool = False) -> FabricCheck | None:
+        """agent.yaml's fabrics checked against the ports read now; None when nothing changed since
+        the last one sent (a change is sent once), unless ``force`` (a registration says it all)."""
+        check = check_fabrics(self.cfg.fabrics, ports)
+        if check == self._fabrics_sent and not force:
+            return None
+        for problem in check.problems:
+            if self._fabrics_sent is None or problem not in self._fabrics_sent.problems:
+                log.warning("%s", problem)
+        if self._fabrics_sent is not None and check.advertised != self._fabrics_sent.advertised:
+            log.info("fabrics advertised now: %s", ", ".join(f.fabric for f in check.advertised) or "none")
+        self._fabrics_sent = check
+        return check
 
     def _engine_versions(self) -> dict[str, str]:
         assert self.installer is not None

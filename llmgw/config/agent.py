@@ -39,6 +39,11 @@ class FabricDecl(_Block):
 
     name: str = Field(description="The fabric's name, the same on every node attached to it.")
     hcas: list[str] = Field(description="Adapters on this fabric, e.g. [mlx5_0, mlx5_1].")
+    rate_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="The link rate its ports should train to, in Gbit/s; advertised when the ports do not say.",
+    )
 
     @field_validator("hcas")
     @classmethod

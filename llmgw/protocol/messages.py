@@ -270,7 +270,8 @@ class Register(Message):
     labels: dict[str, str] | None = None
     mgmt_addr: str | None = None
     mgmt_interface: str | None = None
-    fabrics: list[FabricAttachment] | None = None
+    fabrics: list[FabricAttachment] | None = None  # the declared ones usable now
+    fabric_problems: list[str] | None = None  # why a declared fabric is not advertised
     shards: list[RunningShard] | None = None  # all of them, every time
     weights: list[LocalWeights] | None = None
 
@@ -292,6 +293,7 @@ class Heartbeat(Message):
     provision: list[ProvisionStatus] | None = None
     shards: list[ShardStatus] | None = None
     fabrics: list[FabricAttachment] | None = None  # replaces the node's fabrics
+    fabric_problems: list[str] | None = None  # sent with fabrics: [] when nothing keeps one out
     weights: list[LocalWeights] | None = None
 
 

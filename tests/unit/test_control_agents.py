@@ -16,6 +16,7 @@ from llmgw.protocol import (
     STREAM_PATH,
     Ack,
     EngineWant,
+    FabricAttachment,
     FetchProgress,
     Heartbeat,
     LogsReply,
@@ -380,3 +381,19 @@ async def test_malformed_frames_are_answered_and_the_stream_kept(env):
 def test_bad_thresholds_are_refused():
     with pytest.raises(ValueError, match="below lost_after"):
         AgentService(unreachable_after=60, lost_after=15)
+
+
+async def test_why_a_declared_fabric_is_not_advertised_follows_the_heartbeats(env):
+    svc, server, http = env
+    why = "fabric ib-a is not advertised: mlx5_0 has no ACTIVE port (mlx5_0: port 1 DOWN)"
+    ws = await connect(server, http, reg(fabrics=[], fabric_problems=[why]))
+    await async_until(lambda: svc.is_connected("n1"))
+    assert svc.get("n1").fabric_problems == [why] and svc.get("n1").fabrics == []
+    # A heartbeat without news leaves it; one that says the fabric is back replaces both.
+    await ws.send_bytes(encode(Heartbeat(node_id="n1")))
+    await ws.send_bytes(
+        encode(Heartbeat(node_id="n1", fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0"])], fabric_problems=[]))
+    )
+    await async_until(lambda: svc.get("n1").fabric_problems == [])
+    assert [f.fabric for f in svc.get("n1").fabrics] == ["ib-a"]
+    await ws.close()

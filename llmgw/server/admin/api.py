@@ -187,6 +187,7 @@ class AdminAPI:
             warnings = [f"GPU {g.index}: {'; '.join(g.problems)}" for g in view.gpus if g.problems]
             if n.node_id in rec.node_warnings:
                 warnings.append(rec.node_warnings[n.node_id])
+            warnings.extend(n.fabric_problems or ())
             out.append(
                 NodeRow(
                     node_id=n.node_id,

@@ -135,6 +135,7 @@ class Node:
     mgmt_addr: str | None = None
     mgmt_interface: str | None = None
     fabrics: list[FabricAttachment] | None = None
+    fabric_problems: list[str] | None = None  # why a fabric agent.yaml declares is not advertised
     memory: MemoryInfo | None = None
     load: NodeLoad | None = None
     storage: list[Storage] | None = None
@@ -537,6 +538,7 @@ class AgentService:
         node.mgmt_addr = reg.mgmt_addr
         node.mgmt_interface = reg.mgmt_interface
         node.fabrics = reg.fabrics
+        node.fabric_problems = reg.fabric_problems
         node.weights = reg.weights
         if reg.inventory is not None:
             node.memory = reg.inventory.memory or node.memory
@@ -579,7 +581,18 @@ class AgentService:
         before_mem = _total_mem(node)
         self._seen(node)
         # Re-read every time; None is "not reported this time", so the last value stays.
-        for name in ("memory", "load", "storage", "gpus", "ib_ports", "imex", "fabrics", "weights", "engine_versions"):
+        for name in (
+            "memory",
+            "load",
+            "storage",
+            "gpus",
+            "ib_ports",
+            "imex",
+            "fabrics",
+            "fabric_problems",
+            "weights",
+            "engine_versions",
+        ):
             value = getattr(hb, name)
             if value is not None:
                 setattr(node, name, value)
