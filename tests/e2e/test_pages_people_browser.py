@@ -10,6 +10,8 @@ from harness import Gateway
 
 pytestmark = [pytest.mark.e2e]
 
+BOTH_OPEN = "document.querySelectorAll('details.admin-project[open]').length === 2"
+
 
 def _people(gw: Gateway) -> None:
     """An organization with one team, two projects, one person in each."""
@@ -41,7 +43,8 @@ def test_people_actions_swap_in_place_keeping_open_projects_open_and_show_a_refu
             gateway.locator("button[aria-label='Take gail@example.com out']").click()
         page.wait_for_selector("p.done:has-text('Took them out of Acme/platform/gateway')")
         assert page.evaluate("window.notReloaded === true")  # swapped, not loaded again
-        assert page.locator("details.admin-project[open]").count() == 2  # both projects still open
+        # Reopened once htmx settles the swap, a moment after the new part is in.
+        page.wait_for_function(BOTH_OPEN)  # both projects still open
         assert "gail@example.com" not in gateway.inner_text()
         assert "fred@example.com" in page.inner_text("details.admin-project:has(> summary:has-text('fleet'))")
 
@@ -51,7 +54,7 @@ def test_people_actions_swap_in_place_keeping_open_projects_open_and_show_a_refu
         acme.locator("button:has-text('Remove Acme')").first.click()
         page.wait_for_selector("p.problem")
         assert page.evaluate("window.notReloaded === true")
-        assert page.locator("details.admin-project[open]").count() == 2
+        page.wait_for_function(BOTH_OPEN)
         assert "Acme" in page.inner_text("p.problem")
         assert fits(page)
         page.screenshot(path=str(shot_dir(tmp_path) / "admin-people-in-place.png"), full_page=True)
