@@ -413,10 +413,10 @@ async def test_flush_returns_only_once_a_batch_the_periodic_writer_had_in_flight
         await asyncio.wait_for(sink.started.wait(), 5)  # the periodic writer holds row 1
         rec.record(_row(2))
         flushing = asyncio.ensure_future(rec.flush())
-        # Loop turns, not time: an unserialised flush writes row 2 and returns within a few.
-        for _ in range(50):
-            await asyncio.sleep(0)
-        assert not flushing.done() and sink.rows == []
+        # The flush queues behind the write in flight (the recorder's one write lock), rather
+        # than writing row 2 beside it and returning before row 1 is stored.
+        await async_until(lambda: bool(getattr(rec._writing, "_waiters", None)), 5, "the flush waiting its turn")
+        assert not flushing.done() and sink.calls == 1 and sink.rows == []
         sink.gate.set()
         await asyncio.wait_for(flushing, 5)
         assert [r.key_id for r in sink.rows] == ["k1", "k2"]

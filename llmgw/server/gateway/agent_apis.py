@@ -70,12 +70,10 @@ class _TranslatedReply(_Reply):
     """A reply in another API: the engine's stream rewritten event by event by that API's
     translation (a ResponseStream or a MessageStream: start, feed, finish, fail)."""
 
-    def __init__(self, on_turn: OnTurn | None) -> None:
+    def __init__(self, on_turn: OnTurn | None, new_stream: Callable[[], Any]) -> None:
         super().__init__(on_turn)
+        self._new_stream = new_stream  # the translation's stream for this request, made at start
         self._stream: Any = None
-
-    def _new_stream(self) -> Any:
-        raise NotImplementedError
 
     def _kept(self) -> bool:
         """Whether the stream that ended holds a turn to keep."""
@@ -100,7 +98,7 @@ class _TranslatedReply(_Reply):
 
 class ResponsesReply(_TranslatedReply):
     def __init__(self, req: responses_api.ResponsesRequest, on_turn: OnTurn | None) -> None:
-        super().__init__(on_turn)
+        super().__init__(on_turn, lambda: responses_api.ResponseStream(req))
         self.req = req
 
     def whole(self, completion: dict) -> bytes:
@@ -111,16 +109,13 @@ class ResponsesReply(_TranslatedReply):
     def error(self, status: int, message: str) -> bytes:
         return error_body(status, message, "upstream_error" if status >= 500 else "invalid_request")
 
-    def _new_stream(self) -> responses_api.ResponseStream:
-        return responses_api.ResponseStream(self.req)
-
     def _kept(self) -> bool:
         return self._stream.response().get("status") != "failed"  # an engine's error event: no turn
 
 
 class MessagesReply(_TranslatedReply):
     def __init__(self, req: messages_api.MessagesRequest, on_turn: OnTurn | None) -> None:
-        super().__init__(on_turn)
+        super().__init__(on_turn, lambda: messages_api.MessageStream(req))
         self.req = req
 
     def whole(self, completion: dict) -> bytes:
@@ -134,9 +129,6 @@ class MessagesReply(_TranslatedReply):
 
     def error(self, status: int, message: str) -> bytes:
         return messages_api.error_body(status, message)
-
-    def _new_stream(self) -> messages_api.MessageStream:
-        return messages_api.MessageStream(self.req)
 
 
 class ChatThreadReply(_Reply):
