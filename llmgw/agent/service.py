@@ -2,8 +2,9 @@
 
 The agent registers with everything it knows (inventory, engines, running
 shards) on every connection, since the control plane keeps no replica state
-across its own restart; it heartbeats; and it carries out start, stop, drain,
-provision, logs and remove-weights requests. Bad input (a malformed message,
+across its own restart; it heartbeats (with the subnet managers behind its
+InfiniBand ports once a minute); and it carries out start, stop, drain,
+provision, logs, remove-weights, fabric-scan and fabric-test requests. Bad input (a malformed message,
 an unknown engine, a missing file) is answered with its reason and logged;
 the agent keeps running. Engines outlive the agent: on start-up it adopts
 those still running.
@@ -16,13 +17,14 @@ import collections
 import ipaddress
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from llmgw import __version__
+from llmgw.agent import fabric_tools
 from llmgw.agent.client import ControlPlaneLink
 from llmgw.agent.discovery.collect import Discovery, DiscoveryOptions
 from llmgw.agent.engines import LaunchRefused, UnknownEngine, adapter_for, metric_names, plan_shard
@@ -32,6 +34,7 @@ from llmgw.agent.fabrics import FabricCheck, check_fabrics
 from llmgw.agent.identity import Identity, resolve_identity
 from llmgw.agent.provision.host import HostFacts
 from llmgw.agent.provision.manager import ConvergeLoop, Installer, Want
+from llmgw.agent.provision.os_packages import PackageInstaller
 from llmgw.agent.provision.status import InstallRecord
 from llmgw.agent.supervisor import (
     Role,
@@ -50,6 +53,11 @@ from llmgw.protocol import (
     PROTOCOL_VERSION,
     Ack,
     DrainShard,
+    FabricAttachment,
+    FabricScanReply,
+    FabricScanRequest,
+    FabricTestReply,
+    FabricTestRequest,
     FetchProgress,
     Heartbeat,
     IBPort,
@@ -71,6 +79,7 @@ from llmgw.protocol import (
     decode,
     encode,
 )
+from llmgw.protocol.doctor import SubnetManagers
 from llmgw.protocol.inventory import NodeInventory
 from llmgw.protocol.prometheus import parse_prometheus
 
@@ -98,7 +107,13 @@ async def serve_until_stopped(cfg: AgentConfig, stop: asyncio.Event) -> None:
 
 
 class Agent:
-    def __init__(self, cfg: AgentConfig, identity: Identity, discovery: DiscoveryOptions | None = None) -> None:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        identity: Identity,
+        discovery: DiscoveryOptions | None = None,
+        packages: PackageInstaller | None = None,
+    ) -> None:
         self.cfg = cfg
         self.identity = identity
         self.discovery = Discovery(
@@ -121,6 +136,18 @@ class Agent:
         self._starting: dict[str, asyncio.Task] = {}
         self._fabrics_sent: FabricCheck | None = None  # the last fabrics check sent
         self._tasks: set[asyncio.Task] = set()
+        self._packages = packages  # None: the machine's own package manager
+        self._diags = fabric_tools.PackageOnDemand(
+            fabric_tools.DIAGS, fabric_tools.DIAGS_PACKAGES, self._install_packages
+        )
+        self._perftest = fabric_tools.PackageOnDemand(
+            fabric_tools.PERFTEST, fabric_tools.PERFTEST_PACKAGES, self._install_packages
+        )
+        self._sm_due = 0.0  # when the subnet managers are read next (monotonic)
+        self._sm_reading: asyncio.Task | None = None
+        self._sm_done: tuple[SubnetManagers | None, str | None] | None = None  # for the next heartbeat
+        self._sm_had_ports = False  # the last reading sent listed ports
+        self._fabric_testing = False
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -152,6 +179,7 @@ class Agent:
             root=Path(cfg.engines_dir),
             host=HostFacts.from_inventory(self.inventory.host, self.inventory.gpus or ()),
             on_status=self._provision_changed,
+            packages=self._packages,
         )
         self._converge = ConvergeLoop(self.installer)
         converge = asyncio.create_task(self._converge.run(), name="provision")
@@ -179,6 +207,9 @@ class Agent:
     async def _session(self, ws: aiohttp.ClientWebSocketResponse, addr: str) -> None:
         self._outbox = asyncio.Queue()
         await ws.send_bytes(encode(self._register()))
+        # A control plane newly connected to learns the subnet managers with the first heartbeat.
+        self._sm_due = 0.0
+        self._read_subnet_managers_when_due(self.inventory.ib_ports if self.inventory else None)
         sender = asyncio.create_task(self._send_loop(ws), name="send")
         beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         try:
@@ -228,6 +259,9 @@ class Agent:
             mgmt_interface=self.identity.mgmt_interface,
             fabrics=list(fabrics.advertised),
             fabric_problems=list(fabrics.problems),
+            declared_fabrics=[
+                FabricAttachment(fabric=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in self.cfg.fabrics
+            ],
             shards=self._running_shards(),
             weights=self._weights_held(),
         )
@@ -259,6 +293,9 @@ class Agent:
         pids = {s.shard_id: s.pid for s in self.supervisor.statuses() if s.pid}
         sample = await asyncio.to_thread(self.discovery.sample, pids)
         fabrics = self._fabrics_now(sample.ib_ports) if self.cfg.fabrics else None
+        managers, managers_error = self._sm_done or (None, None)
+        self._sm_done = None
+        self._read_subnet_managers_when_due(sample.ib_ports)
         return Heartbeat(
             node_id=self.identity.node_id,
             memory=sample.memory,
@@ -272,7 +309,42 @@ class Agent:
             weights=self._weights_held(),
             fabrics=list(fabrics.advertised) if fabrics is not None else None,
             fabric_problems=list(fabrics.problems) if fabrics is not None else None,
+            subnet_managers=managers,
+            subnet_managers_error=managers_error,
         )
+
+    def _read_subnet_managers_when_due(self, ports: list[IBPort] | None) -> None:
+        """Start a read of the subnet managers when the interval has passed; its result goes
+        on the heartbeat after it finishes (the tools may take seconds: heartbeats do not wait)."""
+        now = time.monotonic()
+        if self._sm_reading is not None or now < self._sm_due:
+            return
+        self._sm_due = now + self.cfg.subnet_manager_interval
+        if not (fabric_tools.infiniband_ports(ports) or self._sm_had_ports):
+            return
+        t = asyncio.create_task(self._read_subnet_managers(list(ports or ())), name="subnet managers")
+        self._sm_reading = t
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _read_subnet_managers(self, ports: list[IBPort]) -> None:
+        try:
+            managers, error = await fabric_tools.read_subnet_managers(ports, self._diags)
+        except Exception as exc:  # a parser's or installer's bug must not stop the heartbeats
+            log.exception("reading the subnet managers failed")
+            managers, error = None, f"reading the subnet managers failed: {exc!r}"
+        finally:
+            self._sm_reading = None
+        if managers is None and error is None:
+            # No InfiniBand port is ACTIVE any more: said once, so the control plane
+            # does not keep showing managers this node can no longer see.
+            managers = SubnetManagers(ports=[])
+        self._sm_had_ports = bool(managers and managers.ports)
+        self._sm_done = (managers, error)
+
+    async def _install_packages(self, by_family: Mapping[str, Sequence[str]]) -> list[str]:
+        assert self.installer is not None
+        return await self.installer.install_packages(by_family, lambda detail: log.info("%s", detail))
 
     def _fabrics_now(self, ports: list[IBPort] | None, force: bool = False) -> FabricCheck | None:
         """agent.yaml's fabrics checked against the ports read now; None when nothing changed since
@@ -337,6 +409,10 @@ class Agent:
             self.send(self._logs(msg))
         elif isinstance(msg, RemoveWeights):
             self._remove_weights(msg)
+        elif isinstance(msg, FabricScanRequest):
+            self._spawn(self._fabric_scan(msg))
+        elif isinstance(msg, FabricTestRequest):
+            self._fabric_test(msg)
         elif isinstance(msg, Ack):
             if not msg.ok:
                 log.warning("the control plane refused message %s: %s", msg.id, msg.error)
@@ -562,6 +638,32 @@ class Agent:
                 error=f"no log named {source}; this node has: {', '.join(sources)}",
             )
         return LogsReply(id=msg.id, source=source, lines=self.supervisor.tail(source, n), sources=sources)
+
+    async def _fabric_scan(self, msg: FabricScanRequest) -> None:
+        try:
+            reply = await fabric_tools.fabric_scan(msg, self._diags)
+        except Exception as exc:  # answered anyway: the control plane would otherwise wait it out
+            log.exception("the fabric scan failed unexpectedly")
+            reply = FabricScanReply(id=msg.id, error=f"internal error: {exc!r}")
+        self.send(reply)
+
+    def _fabric_test(self, msg: FabricTestRequest) -> None:
+        # Refused at once: two tests would share the adapter and each measure half.
+        if self._fabric_testing:
+            self.send(FabricTestReply(id=msg.id, error="another fabric test is running on this node; one at a time"))
+            return
+        self._fabric_testing = True
+        self._spawn(self._run_fabric_test(msg))
+
+    async def _run_fabric_test(self, msg: FabricTestRequest) -> None:
+        try:
+            reply = await fabric_tools.fabric_test(msg, self._perftest)
+        except Exception as exc:
+            log.exception("the fabric test failed unexpectedly")
+            reply = FabricTestReply(id=msg.id, error=f"internal error: {exc!r}")
+        finally:
+            self._fabric_testing = False
+        self.send(reply)
 
     def _remove_weights(self, msg: RemoveWeights) -> None:
         assert self.weights is not None

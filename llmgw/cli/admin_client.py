@@ -111,7 +111,7 @@ def connect(server: str | None, token_file: Path | None) -> Admin:
     return admin
 
 
-def admin_call(method: str, admin: Admin, path: str, body: dict | None = None) -> dict:
+def admin_call(method: str, admin: Admin, path: str, body: dict | None = None, *, timeout: float = 60.0) -> dict:
     """One call; exits with the server's own sentence when it refuses."""
     from llmgw.admin_api import AdminAPIError, error_message, request
 
@@ -120,7 +120,7 @@ def admin_call(method: str, admin: Admin, path: str, body: dict | None = None) -
     r = None
     for cred in attempts:
         try:
-            r = request(method, url, cred[0] if cred else None, body, verify=admin.verify)
+            r = request(method, url, cred[0] if cred else None, body, verify=admin.verify, timeout=timeout)
         except AdminAPIError as exc:
             fail(f"{exc}; is llmgw server running, and is --server its admin_listen?")
         if r.status_code != 401:

@@ -16,6 +16,8 @@ from llmgw.protocol import ProvisionState
 from llmgw.protocol.admin import (
     CatalogModel,
     CatalogScaling,
+    FabricTestRun,
+    FabricTestView,
     ModelAddRequest,
     ModelReply,
     ModelsReply,
@@ -102,13 +104,15 @@ def first_error(exc: ValidationError) -> str:
     return f"{'.'.join(map(str, e['loc'])) or 'the body'}: {e['msg']}"
 
 
-def call(method: str, admin: Admin, path: str, shape: type[Reply], body: BaseModel | None = None) -> Reply:
+def call(
+    method: str, admin: Admin, path: str, shape: type[Reply], body: BaseModel | None = None, *, timeout: float = 60.0
+) -> Reply:
     """One admin call, its reply read as ``shape`` (protocol.admin).
 
     The body leaves out what the command did not say, so the server's defaults hold.
     A reply of another shape (a server of another release) is said, not a traceback."""
     sent = None if body is None else body.model_dump(mode="json", exclude_unset=True, exclude_none=True)
-    data = admin_call(method, admin, path, sent)
+    data = admin_call(method, admin, path, sent, timeout=timeout)
     try:
         return shape.model_validate(data)
     except ValidationError as exc:
@@ -538,6 +542,43 @@ def explain_placement(
         for n in p.nodes:
             mark = "chosen" if n.chosen else "not chosen"
             typer.echo(f"  {n.node}: {mark}" + ("" if not n.reasons else ": " + "; ".join(n.reasons)))
+
+
+# A test runs rail after rail, each for --seconds plus the agents' handshakes and,
+# the first time, perftest's installation: the spec's client timeout.
+FABRIC_TEST_TIMEOUT_S = 30 * 60
+
+
+@app.command("fabric-test")
+def fabric_test(
+    node_a: str = typer.Argument(..., help="The node that sends (its agent runs the ib_write_bw client)."),
+    node_b: str = typer.Argument(..., help="The node that receives (its agent runs the server)."),
+    fabric: str | None = typer.Option(None, "--fabric", help="The fabric to test; default the one both share."),
+    seconds: int = typer.Option(3, "--seconds", min=1, max=30, help="How long each rail runs (up to 30)."),
+    server: ServerOpt = None,
+    token_file: TokenFileOpt = None,
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Measure RDMA bandwidth between two nodes, rail by rail, and grade each against its link rate.
+
+    Each of A's adapters on the fabric is paired with B's adapter of the same name; the traffic is
+    real (perftest's ib_write_bw). Exits 1 unless every rail reached 80 % of its link rate."""
+    import json
+
+    from llmgw.protocol.fabric_test import exit_code, render_table
+
+    run = FabricTestRun(a=node_a, b=node_b, fabric=fabric, seconds=seconds)
+    view = call(
+        "POST", connect(server, token_file), "/api/v1/fabric-test", FabricTestView, run, timeout=FABRIC_TEST_TIMEOUT_S
+    )
+    if as_json:
+        typer.echo(json.dumps(view.model_dump(mode="json"), indent=2))
+    else:
+        typer.echo(
+            render_table(view.a, view.b, view.fabric, view.rails, took_s=view.took_s, notes=view.notes), nl=False
+        )
+    if exit_code(view.rails) != 0:
+        fail("not every rail passed")
 
 
 # Registered last: it uses the helpers above.

@@ -136,6 +136,12 @@ class AgentConfig(_Block):
     engines_dir: str = Field(default=DEFAULT_ENGINES_DIR, description="Where engines are installed.")
     fabrics: list[FabricDecl] = Field(default_factory=list, description="Fabrics this node's adapters belong to.")
     heartbeat_interval: Duration = Field(default=5.0, description="How often the node reports.")
+    subnet_manager_interval: Duration = Field(
+        default=60.0,
+        gt=0,
+        description="How often the subnet managers behind the node's ACTIVE InfiniBand ports are read "
+        "(sminfo, saquery) and reported with the next heartbeat.",
+    )
     reconnect_base: Duration = Field(default=1.0, description="First wait before reconnecting (jittered).")
     reconnect_max: Duration = Field(default=30.0, description="Longest wait before reconnecting.")
     release_base: str | None = Field(

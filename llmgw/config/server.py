@@ -715,6 +715,10 @@ class ControlConfig(_Block):
         default=600.0,
         description="How long a request to an on-demand model with no replica waits for one to load before a 503.",
     )
+    fabric_scan_interval: Duration = Field(
+        default=300.0,
+        description="How often one node per InfiniBand fabric maps it with ibnetdiscover (/admin/fabrics).",
+    )
     lease_ttl: Duration | None = Field(
         default=None,
         description="Leadership as a lease in the store, for two control planes on one PostgreSQL store: the "
@@ -739,7 +743,7 @@ class ControlConfig(_Block):
                 f"unreachable_after ({self.unreachable_after:g}s) must be above 0 and below "
                 f"lost_after ({self.lost_after:g}s)"
             )
-        for key in ("interval", "base_backoff", "cold_start_wait"):
+        for key in ("interval", "base_backoff", "cold_start_wait", "fabric_scan_interval"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be longer than 0s")
         if self.max_backoff < self.base_backoff:

@@ -41,6 +41,10 @@ from .messages import (
     EngineProfile,
     EngineWant,
     FabricAttachment,
+    FabricScanReply,
+    FabricScanRequest,
+    FabricTestReply,
+    FabricTestRequest,
     FetchProgress,
     Heartbeat,
     LocalWeights,
@@ -59,18 +63,29 @@ from .messages import (
     StopShard,
 )
 
-PROTOCOL_VERSION = 1
+# 2: fabric_scan_* and fabric_test_* (sent only to agents listing their features).
+PROTOCOL_VERSION = 2
 
 FEATURE_LOGS = "logs"
 FEATURE_REMOVE_WEIGHTS = "remove-weights"
 FEATURE_DRAIN = "drain"
+FEATURE_FABRIC_SCAN = "fabric-scan"
+FEATURE_FABRIC_TEST = "fabric-test"
 # What this build's agent answers. A request whose feature the agent did not
 # list is not sent to it.
-FEATURES: tuple[str, ...] = (FEATURE_LOGS, FEATURE_REMOVE_WEIGHTS, FEATURE_DRAIN)
+FEATURES: tuple[str, ...] = (
+    FEATURE_LOGS,
+    FEATURE_REMOVE_WEIGHTS,
+    FEATURE_DRAIN,
+    FEATURE_FABRIC_SCAN,
+    FEATURE_FABRIC_TEST,
+)
 
 __all__ = [
     "FEATURES",
     "FEATURE_DRAIN",
+    "FEATURE_FABRIC_SCAN",
+    "FEATURE_FABRIC_TEST",
     "FEATURE_LOGS",
     "FEATURE_REMOVE_WEIGHTS",
     "GPU",
@@ -88,6 +103,10 @@ __all__ = [
     "EngineProfile",
     "EngineWant",
     "FabricAttachment",
+    "FabricScanReply",
+    "FabricScanRequest",
+    "FabricTestReply",
+    "FabricTestRequest",
     "FetchProgress",
     "GPUFabric",
     "GPUUsage",

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ConfigDict, StrictInt, field_serializer
+from pydantic import ConfigDict, Field, StrictInt, field_serializer
 
 from .base import WireModel
+from .fabric_test import RailResult
 from .inventory import MemoryInfo
 from .messages import ProvisionStatus, ShardStatus
 
@@ -279,3 +280,88 @@ class ProfilePlacement(WireModel):
 class PlacementReply(WireModel):
     model: str
     profiles: list[ProfilePlacement]
+
+
+# ------------------------------------------------------------------ fabrics
+
+
+class SubnetManagerRow(WireModel):
+    guid: str
+    lid: int | None = None
+    priority: int | None = None
+    state: str  # master, standby, discovering, not_active, unknown
+
+
+class FabricMemberRow(WireModel):
+    node: str
+    hca: str
+    port: int
+    rate_gbps: float | None = None
+    master_guid: str | None = None  # the master this port's sminfo named
+
+
+class MasterChangeRow(WireModel):
+    at: float  # wall clock
+    old_guid: str
+    new_guid: str
+
+
+class FabricMapSummary(WireModel):
+    """The last `ibnetdiscover` map of a fabric, counted; the map itself is at .../topology."""
+
+    scanned_at: float | None = None  # wall clock of the map shown
+    node: str | None = None  # the node whose agent ran the scan
+    hca: str | None = None
+    error: str | None = None  # the last scan's failure (the map shown, if any, is older)
+    error_at: float | None = None
+    switches: int | None = None
+    adapters: int | None = None
+    cables: int | None = None
+    degraded: int | None = None
+    rails_aligned: bool | None = None
+
+
+class FabricRow(WireModel):
+    id: str  # ib:<lowest SM GUID> or roce:<network>
+    kind: str  # infiniband or roce
+    declared: list[str]  # the agent.yaml names its ports are declared under
+    network: str | None = None  # RoCE
+    master: SubnetManagerRow | None = None
+    managers: list[SubnetManagerRow] = Field(default_factory=list)
+    managers_listed: bool = False  # False: standbys are not known (no saquery answer)
+    members: list[FabricMemberRow] = Field(default_factory=list)
+    master_changes: list[MasterChangeRow] = Field(default_factory=list)  # the last day's, oldest first
+    map: FabricMapSummary | None = None  # InfiniBand only
+
+
+class FabricProblemRow(WireModel):
+    fabric: str | None = None
+    node: str | None = None
+    kind: str  # no_standby, master_disagreement, ... (docs/fabrics.md)
+    level: str  # fail or warn
+    message: str
+    fix: str
+
+
+class FabricsReply(WireModel):
+    fabrics: list[FabricRow]
+    problems: list[FabricProblemRow]
+
+
+class FabricTestRun(WireModel):
+    """POST /api/v1/fabric-test: measure the rails between two nodes."""
+
+    a: str
+    b: str
+    fabric: str | None = None  # default: the one fabric both advertise
+    seconds: int | None = None  # 3 when absent, at most 30
+
+
+class FabricTestView(WireModel):
+    a: str
+    b: str
+    fabric: str
+    took_s: float
+    rails: list[RailResult]
+    notes: list[str] = Field(default_factory=list)
+    ok: bool

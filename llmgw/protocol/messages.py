@@ -1,8 +1,9 @@
 """The messages on the agent stream.
 
 Up (agent -> control plane): register (first, on every connection),
-heartbeat, shard_status, logs_reply, ack. Down: start_shard, stop_shard,
-drain_shard, provision, logs_request, remove_weights, ack.
+heartbeat, shard_status, logs_reply, fabric_scan_reply, fabric_test_reply,
+ack. Down: start_shard, stop_shard, drain_shard, provision, logs_request,
+fabric_scan_request, fabric_test_request, remove_weights, ack.
 
 Request and reply are paired by the envelope's ``id``: a message sent with an
 id expects an answer carrying the same id (an ``ack``, or a ``logs_reply`` for
@@ -25,6 +26,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from .base import WireModel
+from .doctor import SubnetManagers
 from .inventory import (
     IMEX,
     GPUUsage,
@@ -272,6 +274,9 @@ class Register(Message):
     mgmt_interface: str | None = None
     fabrics: list[FabricAttachment] | None = None  # the declared ones usable now
     fabric_problems: list[str] | None = None  # why a declared fabric is not advertised
+    # agent.yaml's fabrics as declared, usable or not: the control plane tells an
+    # adapter nobody declared from one whose fabric is down.
+    declared_fabrics: list[FabricAttachment] | None = None
     shards: list[RunningShard] | None = None  # all of them, every time
     weights: list[LocalWeights] | None = None
 
@@ -295,6 +300,11 @@ class Heartbeat(Message):
     fabrics: list[FabricAttachment] | None = None  # replaces the node's fabrics
     fabric_problems: list[str] | None = None  # sent with fabrics: [] when nothing keeps one out
     weights: list[LocalWeights] | None = None
+    # The subnet managers behind the node's ACTIVE InfiniBand ports, read once a
+    # minute (absent in between: no news). ``subnet_managers_error`` instead when
+    # the read could not run at all (e.g. "install infiniband-diags").
+    subnet_managers: SubnetManagers | None = None
+    subnet_managers_error: str | None = None
 
 
 class LogsRequest(Message):
@@ -315,6 +325,58 @@ class LogsReply(Message):
     lines: list[str] | None = None
     sources: list[str] | None = None  # every log this node can show
     error: str | None = None  # e.g. an unknown source
+
+
+class FabricScanRequest(Message):
+    """Run `ibnetdiscover -C hca -P port` and send back what it printed (the
+    control plane parses it: a format it does not know is its upgrade, not the agent's)."""
+
+    TYPE: ClassVar[str] = "fabric_scan_request"
+    DIRECTION: ClassVar[Direction] = "down"
+    NEEDS_ID: ClassVar[bool] = True
+
+    hca: str = Field(min_length=1)
+    port: Annotated[int, Field(ge=1)]
+
+
+class FabricScanReply(Message):
+    TYPE: ClassVar[str] = "fabric_scan_reply"
+    DIRECTION: ClassVar[Direction] = "up"
+    NEEDS_ID: ClassVar[bool] = True
+
+    output: str | None = None  # ibnetdiscover's stdout, whole; absent when it failed
+    error: str | None = None  # why there is no map, in words
+    took_ms: NonNegInt | None = None
+
+
+class FabricTestRequest(Message):
+    """One side of one rail of `ctl fabric-test`: ``server`` runs `ib_write_bw`
+    listening and answers when the test is over; ``client`` runs it against
+    ``peer`` (the server's management address), retrying while the server is not
+    listening yet. Both take the same ``tcp_port`` and ``seconds``."""
+
+    TYPE: ClassVar[str] = "fabric_test_request"
+    DIRECTION: ClassVar[Direction] = "down"
+    NEEDS_ID: ClassVar[bool] = True
+
+    role: Literal["server", "client"]
+    hca: str = Field(min_length=1)
+    port: Annotated[int, Field(ge=1)]
+    peer: str | None = None  # the client's only
+    tcp_port: Port
+    seconds: Annotated[int, Field(ge=1, le=30)]
+    gid_index: NonNegInt | None = None  # RoCE: the port's RoCE v2 GID index
+
+
+class FabricTestReply(Message):
+    TYPE: ClassVar[str] = "fabric_test_reply"
+    DIRECTION: ClassVar[Direction] = "up"
+    NEEDS_ID: ClassVar[bool] = True
+
+    gbps: Annotated[float, Field(ge=0)] | None = None  # the BW average column, in Gbit/s
+    output: str | None = None  # what ib_write_bw printed (its last lines)
+    error: str | None = None  # why nothing was measured, in words
+    took_ms: NonNegInt | None = None
 
 
 class RemoveWeights(Message):
@@ -353,11 +415,15 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     Heartbeat,
     ShardStatus,
     LogsReply,
+    FabricScanReply,
+    FabricTestReply,
     StartShard,
     StopShard,
     DrainShard,
     Provision,
     LogsRequest,
+    FabricScanRequest,
+    FabricTestRequest,
     RemoveWeights,
     Ack,
 )

@@ -28,7 +28,8 @@ from llmgw.server.admin.access import AccessError, AdminAccess, ensure_first_tok
 from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
 from llmgw.server.control.agents import AgentService
 from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_file_url
-from llmgw.server.control.fleet_metrics import FleetCollector
+from llmgw.server.control.fabrics import FabricService
+from llmgw.server.control.fleet_metrics import FabricCollector, FleetCollector
 from llmgw.server.control.leadership import Leadership, LeadershipCollector, holder_words
 from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.reconciler import Reconciler
@@ -96,6 +97,7 @@ class Server:
         self.gateway: Gateway | None = None
         self.conversations: Conversations | None = None
         self.agents: AgentService | None = None
+        self.fabrics: FabricService | None = None
         self.catalog: Catalog | None = None
         self.reconciler: Reconciler | None = None
         self.leadership: Leadership | None = None
@@ -177,6 +179,8 @@ class Server:
                 assert self.agents is not None and self.catalog is not None
                 self.reconciler = Reconciler(cfg, self.catalog, self.agents, self.endpoints, self.store)
                 rec = self.reconciler
+                assert self.fabrics is not None
+                rec.fabric_facts = self.fabrics.facts
                 assert self.leadership is not None
                 await self.leadership.start()
                 if self.leadership.is_leader():
@@ -201,6 +205,7 @@ class Server:
                 self.metrics.watch_fleet(
                     FleetCollector(self.agents, lambda: list(rec.replicas.values()), lambda: dict(rec.marks))
                 )
+                self.metrics.watch_fleet(FabricCollector(self.fabrics.metrics))
                 await self._listen(cfg.agent_listen, "agent_listen", agent_app, self._agent_tls())
         except StartError:
             await self.stop()
@@ -418,8 +423,11 @@ class Server:
             unreachable_after=c.unreachable_after,
             lost_after=c.lost_after,
         )
+        fabrics = self.fabrics = FabricService(self.agents, scan_interval=c.fabric_scan_interval)
         app = web.Application()
         self.agents.add_routes(app)
+        app.on_startup.append(lambda _app: fabrics.start())
+        app.on_shutdown.append(lambda _app: fabrics.close())
         self.apps["agent_listen"] = app
         return app
 

@@ -260,10 +260,13 @@ def start_agent(
     *,
     cert_node: str | None = None,
     supervisor: dict | None = None,
+    extra: dict | None = None,
+    env: dict[str, str] | None = None,
 ) -> Proc:
     """`llmgw agent` as node NAME dialling 127.0.0.1:PORT (or each of a list of ports in turn: control
     planes that share a store) with the certificate of CERT_NODE (default NAME: another node's
-    certificate makes an impostor), fast heartbeats and reconnects, files under tmp_path/NAME, no GPUs."""
+    certificate makes an impostor), fast heartbeats and reconnects, files under tmp_path/NAME, no GPUs.
+    ``extra`` is merged into agent.yaml (a block into its block); ``env`` into the environment."""
     cert = cert_node or name
     cfg = tmp_path / f"agent-{name}.yaml"
     where = {"servers": [f"127.0.0.1:{p}" for p in port]} if isinstance(port, list) else {"server": f"127.0.0.1:{port}"}
@@ -285,13 +288,21 @@ def start_agent(
                 "supervisor": {"work_dir": str(tmp_path / name / "state"), **(supervisor or {})},
                 "discovery": {"skip_gpus": True},
             }
+            | _merged({"discovery": {"skip_gpus": True}}, extra or {})
         )
     )
     return Proc(
         llmgw_cmd("agent", "--config", str(cfg)),
         tmp_path / f"agent-{name}.log",
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
+
+
+def _merged(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def serve_files(files: dict[str, bytes]) -> tuple[str, callable]:

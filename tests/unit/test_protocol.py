@@ -17,6 +17,10 @@ from llmgw.protocol import (
     EngineProfile,
     EngineWant,
     FabricAttachment,
+    FabricScanReply,
+    FabricScanRequest,
+    FabricTestReply,
+    FabricTestRequest,
     FetchProgress,
     GPUFabric,
     GPUUsage,
@@ -45,6 +49,7 @@ from llmgw.protocol import (
     decode,
     encode,
 )
+from llmgw.protocol.doctor import PortSubnetManagers, SMRecord, SubnetManagers
 
 
 def _inventory() -> NodeInventory:
@@ -127,6 +132,7 @@ def _every_message() -> list[p.Message]:
             mgmt_addr="10.0.0.1",
             mgmt_interface="bond0",
             fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0"], rate_gbps=400)],
+            declared_fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0"], rate_gbps=400)],
             shards=[
                 RunningShard(
                     shard_id="r1-0", state=ShardState.READY, pid=4242, spec=start.model_copy(update={"id": None})
@@ -140,6 +146,13 @@ def _every_message() -> list[p.Message]:
                 cpu_percent=12.5, cpu_count=224, load1=1.0, shards=[ShardLoad(shard_id="r1-0", cpu_cores=2.5)]
             ),
             gpus=[GPUUsage(index=0, memory_used_bytes=1 << 30, utilization_percent=40)],
+            subnet_managers=SubnetManagers(
+                ports=[
+                    PortSubnetManagers(
+                        hca="mlx5_0", port=1, master=SMRecord(guid="0x248a070300f7d3a0", lid=1, state="SMINFO_MASTER")
+                    )
+                ]
+            ),
             provision=[
                 ProvisionStatus(engine="llamacpp", version="b10991", state="installing", progress={"bytes_done": 10})
             ],
@@ -161,6 +174,12 @@ def _every_message() -> list[p.Message]:
         LogsRequest(id="l-1", source="agent", lines=200),
         LogsReply(id="l-1", lines=["a", "b"], sources=["agent", "r1-0"]),
         RemoveWeights(id="w-1", paths=["/var/lib/llmgw-weights/abc.gguf"]),
+        FabricScanRequest(id="f-1", hca="mlx5_0", port=1),
+        FabricScanReply(id="f-1", output="# Topology file\n", took_ms=840),
+        FabricTestRequest(
+            id="t-1", role="client", hca="mlx5_0", port=1, peer="10.0.0.2", tcp_port=18515, seconds=3, gid_index=3
+        ),
+        FabricTestReply(id="t-1", gbps=390.14, output="...", took_ms=5200),
         Ack(id="s-1", ok=False, error="no GPU 7 on this node"),
     ]
 

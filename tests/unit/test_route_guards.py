@@ -76,6 +76,9 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "GET", "/admin"): ADMIN_SESSION,
     ("listen", "GET", "/admin/nodes/{node}"): ADMIN_SESSION,
     ("listen", "GET", "/admin/nodes/{node}/logs"): ADMIN_SESSION,
+    # the Fabrics and NVLink pages (admin_fabrics.py)
+    ("listen", "GET", "/admin/fabrics"): ADMIN_SESSION,
+    ("listen", "GET", "/admin/nvlink"): ADMIN_SESSION,
     ("listen", "GET", "/admin/users"): ADMIN_SESSION,
     ("listen", "POST", "/admin/users/approve"): ADMIN_SESSION,
     ("listen", "POST", "/admin/users/reject"): ADMIN_SESSION,
@@ -119,6 +122,10 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("admin_listen", "DELETE", "/api/v1/models/{name}"): ADMIN,
     ("admin_listen", "PUT", "/api/v1/models/{name}/scale"): ADMIN,
     ("admin_listen", "GET", "/api/v1/models/{name}/placement"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/fabrics"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/fabrics/{fabric}/topology"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/fabric-test"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/nvlink"): ADMIN,
     ("metrics_listen", "GET", "/metrics"): NETWORK,
     ("agent_listen", "GET", "/v1/agent/stream"): AGENT,
 }

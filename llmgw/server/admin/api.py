@@ -22,6 +22,9 @@ from llmgw.protocol.admin import (
     CatalogModel,
     EndpointRow,
     EndpointsReply,
+    FabricsReply,
+    FabricTestRun,
+    FabricTestView,
     MirrorServeRequest,
     ModelAddRequest,
     ModelReply,
@@ -44,6 +47,7 @@ from llmgw.protocol.admin import (
 from llmgw.protocol.mirror_api import MirrorFetchRequest, MirrorListing, MirrorVersion
 from llmgw.server.control.agents import AgentServiceError
 from llmgw.server.control.catalog import Catalog, CatalogEntry, CatalogError
+from llmgw.server.control.fabrics import FabricService, FabricTestRefused, UnknownFabric
 from llmgw.server.control.mirror_client import MirrorClient, MirrorRefused, MirrorUnavailable, entry_from_version
 from llmgw.server.control.placement import explain, gpu_class_of, node_view
 from llmgw.server.control.reconciler import ControlError, Reconciler
@@ -119,6 +123,10 @@ class AdminAPI:
         app.router.add_delete("/api/v1/models/{name}", self._api_model_remove)
         app.router.add_put("/api/v1/models/{name}/scale", self._api_model_scale)
         app.router.add_get("/api/v1/models/{name}/placement", self._api_model_placement)
+        app.router.add_get("/api/v1/fabrics", self._api_fabrics)
+        app.router.add_get("/api/v1/fabrics/{fabric}/topology", self._api_fabric_topology)
+        app.router.add_post("/api/v1/fabric-test", self._api_fabric_test)
+        app.router.add_get("/api/v1/nvlink", self._api_nvlink)
 
     # The public methods answer the reply models (the pages call them in process); each route
     # reads its request, calls one, and answers its model as JSON or its refusal.
@@ -285,6 +293,56 @@ class AdminAPI:
         if isinstance(reply, LogsReply) and not reply.error:
             return NodeLogs(source=reply.source, lines=reply.lines or [], sources=reply.sources)
         raise AdminRefused(404, reply.error if reply.error else "the agent answered without logs", "no_such_log")
+
+    # -- fabrics
+
+    def need_fabrics(self) -> FabricService:
+        if self.s.fabrics is None or self.s.reconciler is None:
+            raise NotControlPlane()
+        return self.s.fabrics
+
+    async def _api_fabrics(self, request: web.Request) -> web.Response:
+        return await self._reply(self.fabrics())
+
+    async def fabrics(self) -> FabricsReply:
+        return self.need_fabrics().reply()
+
+    async def _api_fabric_topology(self, request: web.Request) -> web.Response:
+        try:
+            body = self.fabric_topology(request.match_info["fabric"])
+        except AdminRefused as exc:
+            return exc.response()
+        return web.json_response(body, dumps=dumps)
+
+    def fabric_topology(self, fabric_id: str) -> dict[str, Any]:
+        try:
+            return self.need_fabrics().topology(fabric_id)
+        except UnknownFabric as exc:
+            raise AdminRefused(404, str(exc), "no_such_fabric") from None
+
+    async def _api_fabric_test(self, request: web.Request) -> web.Response:
+        try:
+            run = FabricTestRun.model_validate(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, ValidationError):
+            return error_response(
+                400,
+                'the body should be {"a": NODE, "b": NODE, "fabric": NAME, "seconds": N} '
+                "(fabric and seconds may be left out)",
+                "invalid_request",
+            )
+        return await self._reply(self.fabric_test(run))
+
+    async def fabric_test(self, run: FabricTestRun) -> FabricTestView:
+        try:
+            return await self.need_fabrics().fabric_test(run.a, run.b, run.fabric, run.seconds)
+        except FabricTestRefused as exc:
+            raise AdminRefused(exc.status, str(exc), "fabric_test_refused") from None
+
+    async def _api_nvlink(self, request: web.Request) -> web.Response:
+        return web.json_response(self.nvlink(), dumps=dumps)
+
+    def nvlink(self) -> dict[str, Any]:
+        return self.need_fabrics().nvlink()
 
     def _need_catalog(self) -> Catalog:
         if self.s.catalog is None:

@@ -31,6 +31,8 @@ from llmgw.errors import LlmgwError
 from llmgw.pki import check_claim
 from llmgw.protocol import (
     FEATURE_DRAIN,
+    FEATURE_FABRIC_SCAN,
+    FEATURE_FABRIC_TEST,
     FEATURE_LOGS,
     FEATURE_REMOVE_WEIGHTS,
     IMEX,
@@ -38,6 +40,10 @@ from llmgw.protocol import (
     Ack,
     DrainShard,
     FabricAttachment,
+    FabricScanReply,
+    FabricScanRequest,
+    FabricTestReply,
+    FabricTestRequest,
     GPUUsage,
     Heartbeat,
     IBPort,
@@ -60,6 +66,7 @@ from llmgw.protocol import (
     decode,
     encode,
 )
+from llmgw.protocol.doctor import SubnetManagers
 
 log = logging.getLogger("llmgw.server.control.agents")
 
@@ -71,7 +78,13 @@ _FEATURE_OF: dict[type[Message], str] = {
     LogsRequest: FEATURE_LOGS,
     RemoveWeights: FEATURE_REMOVE_WEIGHTS,
     DrainShard: FEATURE_DRAIN,
+    FabricScanRequest: FEATURE_FABRIC_SCAN,
+    FabricTestRequest: FEATURE_FABRIC_TEST,
 }
+
+# What a request is answered with (besides an ack refusing it).
+Reply = Ack | LogsReply | FabricScanReply | FabricTestReply
+_REPLIES = (Ack, LogsReply, FabricScanReply, FabricTestReply)
 
 # WebSocket close codes: 1008 policy violation (refused), 1001 going away.
 _CLOSE_REFUSED = 1008
@@ -136,6 +149,12 @@ class Node:
     mgmt_interface: str | None = None
     fabrics: list[FabricAttachment] | None = None
     fabric_problems: list[str] | None = None  # why a fabric agent.yaml declares is not advertised
+    declared_fabrics: list[FabricAttachment] | None = None  # agent.yaml's, usable or not
+    # The agent's last read of its ports' subnet managers (about once a minute),
+    # or why it could not read them; when it came.
+    subnet_managers: SubnetManagers | None = None
+    subnet_managers_error: str | None = None
+    subnet_managers_at: float | None = None
     memory: MemoryInfo | None = None
     load: NodeLoad | None = None
     storage: list[Storage] | None = None
@@ -172,6 +191,7 @@ class ShardEvent:
 ShardListener = Callable[[ShardEvent], None]
 # Called after every registration with the node and the shards it reported.
 RegisterListener = Callable[[Node, list[RunningShard]], None]
+ReportListener = Callable[[Node], None]
 
 
 class _Conn:
@@ -219,6 +239,7 @@ class AgentService:
         self._ids = itertools.count(1)
         self._listeners: list[ShardListener] = []
         self._register_listeners: list[RegisterListener] = []
+        self._report_listeners: list[ReportListener] = []
         self._timer: asyncio.Task | None = None
 
     # -- wiring ---------------------------------------------------------------
@@ -251,6 +272,18 @@ class AgentService:
         happen there); one that raises is logged and does not stop the others."""
         self._register_listeners.append(listener)
 
+    def on_report(self, listener: ReportListener) -> None:
+        """Call ``listener`` with the node after each registration and heartbeat has been
+        applied (the fabric registry's hook); one that raises is logged and does not stop the others."""
+        self._report_listeners.append(listener)
+
+    def _reported(self, node: Node) -> None:
+        for fn in self._report_listeners:
+            try:
+                fn(node)
+            except Exception:
+                log.exception("a report listener failed on node %s", node.node_id)
+
     # -- reading --------------------------------------------------------------
 
     def get(self, node_id: str) -> Node | None:
@@ -272,10 +305,13 @@ class AgentService:
         except (ConnectionError, RuntimeError) as exc:
             raise NotConnected(f"node {node_id}: the stream broke while sending {msg.TYPE}: {exc}") from None
 
-    async def request(self, node_id: str, msg: Message, timeout: float = 30.0) -> Ack | LogsReply:
+    async def request(
+        self, node_id: str, msg: Message, timeout: float = 30.0, *, sent: asyncio.Event | None = None
+    ) -> Reply:
         """Send ``msg`` with a fresh envelope id and wait for the reply carrying
         it. An ack with ok=False is returned, not raised: the caller knows what
-        the refusal means for it."""
+        the refusal means for it. ``sent`` is set once the request is on the stream
+        (or could not be), for a caller that must order it before another."""
         conn = self._conn_for(node_id, msg)
         rid = f"cp-{next(self._ids)}"
         out = msg.model_copy(update={"id": rid})
@@ -286,6 +322,9 @@ class AgentService:
                 await conn.write(out)
             except (ConnectionError, RuntimeError) as exc:
                 raise NotConnected(f"node {node_id}: the stream broke while sending {msg.TYPE}: {exc}") from None
+            finally:
+                if sent is not None:
+                    sent.set()
             try:
                 return await asyncio.wait_for(fut, timeout)
             except TimeoutError:
@@ -454,7 +493,7 @@ class AgentService:
         node = self._nodes.get(conn.node_id)
         if node is None:  # removed while connected cannot happen (remove refuses), but stay safe
             return
-        if isinstance(msg, (Ack, LogsReply)):
+        if isinstance(msg, _REPLIES):
             self._resolve(conn, msg)
             return
         if isinstance(msg, Heartbeat):
@@ -488,7 +527,7 @@ class AgentService:
         except (ConnectionError, RuntimeError):
             pass  # the stream is closing; its end is handled by the reader
 
-    def _resolve(self, conn: _Conn, msg: Ack | LogsReply) -> None:
+    def _resolve(self, conn: _Conn, msg: Reply) -> None:
         fut = conn.pending.get(msg.id or "")
         if fut is None or fut.done():
             if isinstance(msg, Ack) and not msg.ok:
@@ -539,6 +578,7 @@ class AgentService:
         node.mgmt_interface = reg.mgmt_interface
         node.fabrics = reg.fabrics
         node.fabric_problems = reg.fabric_problems
+        node.declared_fabrics = reg.declared_fabrics
         node.weights = reg.weights
         if reg.inventory is not None:
             node.memory = reg.inventory.memory or node.memory
@@ -575,6 +615,7 @@ class AgentService:
                 fn(node, node.registered_shards)
             except Exception:
                 log.exception("a registration listener failed on node %s", node.node_id)
+        self._reported(node)
 
     def _apply_heartbeat(self, node: Node, hb: Heartbeat) -> None:
         before_engines = node.ready_engines()
@@ -596,6 +637,11 @@ class AgentService:
             value = getattr(hb, name)
             if value is not None:
                 setattr(node, name, value)
+        if hb.subnet_managers is not None or hb.subnet_managers_error is not None:
+            # One read: what it found and why it could not go further travel together.
+            node.subnet_managers = hb.subnet_managers
+            node.subnet_managers_error = hb.subnet_managers_error
+            node.subnet_managers_at = time.time()
         for ps in hb.provision or ():
             # Merged by engine: the agent sends one engine's status when only it changed.
             node.provision[ps.engine] = ps
@@ -609,6 +655,7 @@ class AgentService:
             for st in hb.shards:
                 self._apply_shard(node, st)
         self._log_gains(node, before_engines, before_mem)
+        self._reported(node)
 
     def _apply_shard(self, node: Node, st: ShardStatus) -> None:
         prev = node.shards.get(st.shard_id)

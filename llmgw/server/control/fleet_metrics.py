@@ -260,3 +260,33 @@ class _Families:
 
     def all(self) -> Iterable[Metric]:
         return list(vars(self).values())
+
+
+# The fabric registry's metrics: its own (name, labels, value) triples, documented here.
+_FABRIC_HELP = {
+    "llmgw_fabric_master_sm": "1 for each InfiniBand fabric's master subnet manager, by GUID (it changes on failover).",
+    "llmgw_fabric_subnet_managers": "Subnet managers per InfiniBand fabric, by state (0 standby: no failover).",
+    "llmgw_fabric_problems": "Fabric problems the control plane sees, by kind and level (docs/fabrics.md).",
+}
+
+FabricMetrics = Callable[[], Iterable[tuple[str, dict[str, str], float]]]
+
+
+class FabricCollector:
+    """A prometheus_client collector over the fabric registry, read at scrape time."""
+
+    def __init__(self, metrics: FabricMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, GaugeMetricFamily] = {}
+        for name, labels, value in self._metrics():
+            fam = families.get(name)
+            if fam is None:
+                fam = families[name] = _gauge(name, _FABRIC_HELP.get(name, name), sorted(labels))
+            fam.add_metric([labels[k] for k in sorted(labels)], value)
+        # Every family is present even before any fabric is known, so an alert's absence is a real zero.
+        for name, doc in _FABRIC_HELP.items():
+            if name not in families:
+                families[name] = _gauge(name, doc, [])
+        return list(families.values())

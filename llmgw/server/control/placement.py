@@ -95,6 +95,19 @@ class Claims:
 
 
 @dataclass(frozen=True)
+class NodeFabricFacts:
+    """What the control plane knows of one node's fabrics beyond agent.yaml's names."""
+
+    # declared fabric name -> the physical fabric ids (e.g. "ib:0x..." or "roce:10.0.0.0/24")
+    # its adapters' ACTIVE ports are on; a name absent or mapped to an empty set: not known
+    physical: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # adapter (hca) name -> the GUIDs of the leaf switches it is cabled to, from the fabric map; absent: not mapped
+    leaves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # adapter name -> a sentence saying why its cable is degraded (trained below others of its kind)
+    degraded: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class NodeView:
     node_id: str
     state: NodeState = NodeState.READY
@@ -114,6 +127,8 @@ class NodeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     fabrics: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # name -> adapters
     nvlink_domain: str | None = None  # every card joined one domain and IMEX is up
+    # Physical identity, leaf switches and degraded cables; empty: placement knows names only.
+    fabric_facts: NodeFabricFacts = field(default_factory=NodeFabricFacts)
     # Derived once, so each request's filters are dictionary look-ups.
     free_by_class: Mapping[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     free_gpus: int = field(init=False, repr=False, compare=False)
@@ -156,8 +171,10 @@ def node_view(
     cordoned: bool = False,
     draining: bool = False,
     claims: Claims | None = None,
+    fabric_facts: NodeFabricFacts | None = None,
 ) -> NodeView:
-    """Flatten a ``Node`` record (registration plus latest heartbeat) for placement."""
+    """Flatten a ``Node`` record (registration plus latest heartbeat) for placement;
+    ``fabric_facts`` is what the control plane learnt of its fabrics (identity, map)."""
     claims = claims or Claims()
     inv = node.inventory
 
@@ -238,6 +255,7 @@ def node_view(
         labels=dict(node.labels or {}),
         fabrics={f.fabric: tuple(f.hcas or ()) for f in node.fabrics or ()},
         nvlink_domain=nvlink_domain,
+        fabric_facts=fabric_facts if fabric_facts is not None else NodeFabricFacts(),
     )
 
 
@@ -280,13 +298,18 @@ class NodeVerdict:
 
 @dataclass(frozen=True)
 class PlacementGroup:
-    """Where a multi-node replica may form: one NVLink domain, or one declared fabric."""
+    """Where a multi-node replica may form: one NVLink domain, or one part of a
+    declared fabric (the nodes whose adapters for that name are on one physical
+    fabric, or those that cannot say which)."""
 
-    name: str  # the domain (cluster/clique) or the fabric's name
+    name: str  # the domain (cluster/clique) or the fabric's declared name
     nvlink: bool = False  # an NVLink domain, preferred; else a declared fabric
+    identity: str | None = None  # the physical fabric id; None: not known
 
     def __str__(self) -> str:
-        return f"nvlink domain {self.name}" if self.nvlink else f"fabric {self.name}"
+        if self.nvlink:
+            return f"nvlink domain {self.name}"
+        return f"fabric {self.name} ({self.identity})" if self.identity else f"fabric {self.name}"
 
     def adapters(self, v: NodeView) -> tuple[str, ...]:
         """The node's adapters NCCL is given: the fabric's; none inside an NVLink domain."""
@@ -295,8 +318,57 @@ class PlacementGroup:
 
 def _groups_of(v: NodeView) -> list[PlacementGroup]:
     out = [PlacementGroup(v.nvlink_domain, nvlink=True)] if v.nvlink_domain else []
-    out += [PlacementGroup(f) for f in v.fabrics]
+    physical = v.fabric_facts.physical
+    for f in v.fabrics:
+        ids = physical.get(f) or frozenset()
+        if len(ids) > 1:
+            continue  # on two physical fabrics: refused for this name (see _split_words)
+        # Nodes that cannot say share one group of their own, so a cluster with
+        # no identity known places exactly as on names alone.
+        out.append(PlacementGroup(f, identity=next(iter(ids)) if ids else None))
     return out
+
+
+_COUNT_WORDS = {2: "two", 3: "three", 4: "four"}
+
+
+def _split_words(v: NodeView) -> list[str]:
+    """A refusal for each declared name whose adapters sit on more than one physical fabric."""
+    out = []
+    for f in v.fabrics:
+        ids = sorted(v.fabric_facts.physical.get(f) or ())
+        if len(ids) > 1:
+            count = _COUNT_WORDS.get(len(ids), str(len(ids)))
+            out.append(
+                f"{v.node_id} is refused on fabric {f}: its adapters for fabric {f} "
+                f"are cabled to {count} fabrics: {', '.join(ids)}"
+            )
+    return out
+
+
+def _degraded_of(v: NodeView, group: PlacementGroup) -> list[tuple[str, str]]:
+    """(adapter, why) for the node's adapters on the group's fabric whose cable is degraded."""
+    deg = v.fabric_facts.degraded
+    if not deg:
+        return []
+    return [(a, deg[a]) for a in group.adapters(v) if a in deg]
+
+
+def _leaves_of(v: NodeView, group: PlacementGroup) -> frozenset[str]:
+    """The leaf switches the node's adapters on the group's fabric are cabled to."""
+    leaves = v.fabric_facts.leaves
+    if not leaves:
+        return frozenset()
+    return frozenset(leaf for a in group.adapters(v) for leaf in leaves.get(a, ()))
+
+
+def _degraded_words(degraded: Sequence[tuple[str, str]]) -> str:
+    return " and ".join(f"its cable on {a} is degraded ({why})" for a, why in degraded)
+
+
+def _and(items: Iterable[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 @dataclass(frozen=True)
@@ -520,9 +592,12 @@ def place(request: PlacementRequest, nodes: Sequence[NodeView]) -> Placement | R
     group, members = formed
     chosen = [(v.node_id, _choose_gpus(v, r, group.adapters(v))) for v in members]
     words = "; ".join(f"{nid}: {_gpu_words(v, g)}" for (nid, g), v in zip(chosen, members, strict=True))
+    notes = [_leaf_note(group, members)] + [
+        f"{v.node_id}: {_degraded_words(d)}" for v in members if (d := _degraded_of(v, group))
+    ]
     return Placement(
         nodes=chosen,
-        explanation=f"{r.model} on {len(chosen)} nodes in {group}: {words}",
+        explanation=f"{r.model} on {len(chosen)} nodes in {group}: {words}" + "".join(f"; {n}" for n in notes if n),
         fabric=None if group.nvlink else group.name,
         nvlink_domain=group.name if group.nvlink else None,
         adapters={v.node_id: group.adapters(v) for v in members},
@@ -554,17 +629,92 @@ def _best_group(r: PlacementRequest, fit: Sequence[NodeView]) -> tuple[Placement
     for group, members in _groups(fit).items():
         if len(members) < r.nodes:
             continue
-        chosen = sorted(members, key=lambda v: _rank(v, r))[: r.nodes]
-        # NVLink domains first (InfiniBand is the fallback); then the set
-        # holding the most weights and packing tightest; then the name.
+        chosen = _choose_in_group(r, group, members)
+        # NVLink domains first (InfiniBand is the fallback); then the fewest
+        # nodes with a degraded cable, then the most under one leaf switch
+        # (the network is paid on every step, a fetch of the weights once);
+        # then the set holding the most weights and packing tightest; then the name.
         key = (
             0 if group.nvlink else 1,
-            [_rank(v, r)[:2] for v in chosen],
+            sum(1 for v in chosen if _degraded_of(v, group)),
+            -_leaf_score(group, chosen)[0],
+            sorted(_rank(v, r)[:2] for v in chosen),
             str(group),
         )
         if best is None or key < best[0]:
             best = (key, group, chosen)
     return None if best is None else (best[1], best[2])
+
+
+def _choose_in_group(r: PlacementRequest, group: PlacementGroup, members: Sequence[NodeView]) -> list[NodeView]:
+    """The group's ``r.nodes`` best members: the fewest with a degraded cable,
+    then the most under one leaf switch, then by ``_rank``; in that order."""
+    n = r.nodes
+    key = {v.node_id: (bool(_degraded_of(v, group)), _rank(v, r)) for v in members}
+    ranked = sorted(members, key=lambda v: key[v.node_id])
+    if group.nvlink or not any(v.fabric_facts.leaves for v in members):
+        return ranked[:n]
+    healthy = sum(1 for v in ranked if not key[v.node_id][0])
+    # Each leaf's nodes in rank order, healthy and degraded apart; a set uses n at most.
+    by_leaf: dict[str, tuple[list[NodeView], list[NodeView]]] = {}
+    for v in ranked:
+        for leaf in _leaves_of(v, group):
+            side = by_leaf.setdefault(leaf, ([], []))[key[v.node_id][0]]
+            if len(side) < n:
+                side.append(v)
+
+    def reach(leaf: str) -> int:
+        """How many of a set with the fewest degraded nodes can sit under the leaf."""
+        h, d = by_leaf[leaf]
+        return min(n, len(h)) if healthy >= n else len(h) + min(n - healthy, len(d))
+
+    def under_first(leaf: str) -> list[NodeView]:
+        # As sorting ``ranked`` by (degraded, not under the leaf) would, without
+        # sorting every member for every leaf: a fleet has many leaves.
+        h, d = by_leaf[leaf]
+        order = itertools.chain(
+            h, (ranked[i] for i in range(healthy)), d, (ranked[i] for i in range(healthy, len(ranked)))
+        )
+        out: list[NodeView] = []
+        seen: set[str] = set()
+        for v in order:
+            if v.node_id not in seen:
+                seen.add(v.node_id)
+                out.append(v)
+                if len(out) == n:
+                    break
+        return out
+
+    most = max((reach(leaf) for leaf in by_leaf), default=0)
+    candidates = [ranked[:n]]
+    if most >= 2:
+        candidates += [under_first(leaf) for leaf in sorted(by_leaf) if reach(leaf) == most]
+    best = min(candidates, key=lambda c: (-_leaf_score(group, c)[0], sorted(key[v.node_id][1] for v in c)))
+    return sorted(best, key=lambda v: key[v.node_id])
+
+
+def _leaf_score(group: PlacementGroup, chosen: Sequence[NodeView]) -> tuple[int, list[str]]:
+    """The most chosen nodes under one leaf switch, and those leaves; 0 when no two share one."""
+    counts: dict[str, int] = {}
+    for v in chosen:
+        for leaf in _leaves_of(v, group):
+            counts[leaf] = counts.get(leaf, 0) + 1
+    top = max(counts.values(), default=0)
+    if top < 2:
+        return 0, []
+    return top, sorted(x for x, c in counts.items() if c == top)
+
+
+def _leaf_note(group: PlacementGroup, chosen: Sequence[NodeView]) -> str:
+    """What the explanation says of the chosen nodes' leaf switches; empty when none shared."""
+    top, leaves = _leaf_score(group, chosen)
+    if not top:
+        return ""
+    if top == len(chosen):
+        if len(leaves) == 1:
+            return f"all under one leaf switch {leaves[0]}"
+        return f"all under the same leaf switches {_and(leaves)}"
+    return f"at most {top} of {len(chosen)} under one leaf switch ({', '.join(leaves)})"
 
 
 def _refuse(r: PlacementRequest, nodes: Sequence[NodeView]) -> Refusal:
@@ -573,8 +723,6 @@ def _refuse(r: PlacementRequest, nodes: Sequence[NodeView]) -> Refusal:
 
 def _multi_node_words(v: NodeView, r: PlacementRequest, groups: dict[PlacementGroup, list[NodeView]]) -> str:
     mine = [g for g, members in groups.items() if any(m is v for m in members)]
-    if not v.fabrics and not v.nvlink_domain:
-        return f"{v.node_id} is on no fabric, so it cannot join a {r.nodes}-node replica"
     counts = ", ".join(f"{g} has {len(groups[g])}" for g in sorted(mine, key=str))
     return f"{v.node_id} fits, but no fabric it is on has {r.nodes} nodes that fit ({counts})"
 
@@ -587,6 +735,7 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeVe
     chosen: dict[str, tuple[int, ...]] = {}
     lead: NodeView | None = None
     group: PlacementGroup | None = None
+    members: list[NodeView] = []
     groups: dict[PlacementGroup, list[NodeView]] = {}
     if r.nodes == 1 and fit:
         lead = min(fit, key=lambda v: _rank(v, r))
@@ -600,29 +749,43 @@ def explain(request: PlacementRequest, nodes: Sequence[NodeView]) -> list[NodeVe
                 chosen[v.node_id] = _choose_gpus(v, r, group.adapters(v))
             lead = members[0]
 
+    leaf_note = _leaf_note(group, members) if group is not None else ""
     out = []
     for v in sorted(nodes, key=lambda v: v.sort_key):
         if v.node_id in chosen:
             words = _why_single(v, chosen[v.node_id], r)
             if group is not None:
                 words += f"; in {group}"
+                if leaf_note:
+                    words += f", {leaf_note}"
+                if d := _degraded_of(v, group):
+                    words += f"; {_degraded_words(d)}"
             out.append(NodeVerdict(v.node_id, True, [words]))
             continue
         reasons = _refusals(v, r)
-        if not reasons:
-            if lead is None or (r.nodes > 1 and not v.fabrics and not v.nvlink_domain):
-                reasons = [_multi_node_words(v, r, groups)]
-            else:
-                reasons = [_preferred_words(v, lead, r, group)]
+        # Filter 7 refuses a name, not the node: said alongside whatever else applies.
+        split = _split_words(v) if r.nodes > 1 else []
+        if reasons:
+            reasons += split
+        elif r.nodes > 1 and not _groups_of(v):
+            reasons = split or [f"{v.node_id} is on no fabric, so it cannot join a {r.nodes}-node replica"]
+        elif lead is None:
+            reasons = split + [_multi_node_words(v, r, groups)]
+        else:
+            reasons = split + [_preferred_words(v, lead, r, group, members)]
         out.append(NodeVerdict(v.node_id, False, reasons))
     return out
 
 
-def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: PlacementGroup | None) -> str:
-    """Why a node that fits lost to the chosen one."""
+def _preferred_words(
+    v: NodeView, lead: NodeView, r: PlacementRequest, group: PlacementGroup | None, members: Sequence[NodeView] = ()
+) -> str:
+    """Why a node that fits lost to the chosen one(s)."""
     if group is not None and group not in _groups_of(v):
-        return f"{v.node_id} fits, but the replica was placed in {group}"
+        return f"{v.node_id} fits, but the replica was placed in {group}{_identity_words(v, group)}"
     if r.nodes > 1:
+        if group is not None and not group.nvlink and members and (words := _fabric_loss_words(v, group, members)):
+            return words
         return f"{v.node_id} fits, but enough nodes ranked ahead of it in {group}"
     if _holds_weights(lead, r.source) and not _holds_weights(v, r.source):
         return f"{v.node_id} fits, but {lead.node_id} already holds the weights"
@@ -642,6 +805,42 @@ def _preferred_words(v: NodeView, lead: NodeView, r: PlacementRequest, group: Pl
                 f"{v.node_id} fits, but {lead.node_id} has more free memory ({_n(theirs_m or 0)} GB there, {here} here)"
             )
     return f"{v.node_id} fits, but {lead.node_id} comes first by name"
+
+
+def _fabric_loss_words(v: NodeView, group: PlacementGroup, members: Sequence[NodeView]) -> str:
+    """Why a node in the chosen fabric group lost for its cable or its leaf
+    switch; empty when neither is why."""
+    if (degraded := _degraded_of(v, group)) and any(not _degraded_of(m, group) for m in members):
+        return f"{v.node_id} fits, but {_degraded_words(degraded)}"
+    shared = sorted(frozenset.intersection(*(_leaves_of(m, group) for m in members)))
+    leaves = _leaves_of(v, group)
+    if not shared or leaves.intersection(shared):
+        return ""
+    where = (
+        f"{v.node_id} is under {_and(sorted(leaves))}"
+        if leaves
+        else f"{v.node_id}'s adapters are not on the fabric map"
+    )
+    switches = "leaf switches" if len(shared) > 1 else "leaf switch"
+    return f"{v.node_id} fits, but the chosen nodes share {switches} {_and(shared)} and {where}"
+
+
+def _identity_words(v: NodeView, group: PlacementGroup) -> str:
+    """Why a node on the group's declared fabric is not in it: another physical
+    fabric, or one side cannot say which it is on."""
+    if group.nvlink or group.name not in v.fabrics:
+        return ""
+    ids = sorted(v.fabric_facts.physical.get(group.name) or ())
+    if len(ids) > 1:
+        return ""  # the two-fabric refusal says why
+    if ids and group.identity:
+        return f"; its adapters for {group.name} are on {ids[0]}"
+    if ids:
+        return (
+            f", among nodes that cannot say which physical fabric they are on; "
+            f"its adapters for {group.name} are on {ids[0]}"
+        )
+    return f"; it cannot say which physical fabric its adapters for {group.name} are on"
 
 
 class Fleet:

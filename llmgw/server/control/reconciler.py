@@ -26,7 +26,7 @@ import random
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -50,6 +50,7 @@ from llmgw.server.control.catalog import Catalog, CatalogEntry
 from llmgw.server.control.placement import (
     Claims,
     Fleet,
+    NodeFabricFacts,
     NodeView,
     Placement,
     PlacementRequest,
@@ -230,6 +231,9 @@ class Reconciler:
         self.agents = agents
         self.endpoints = endpoints
         self.store = store
+        # What the control plane knows of each node's physical fabrics (the fabric
+        # service's), for multi-node placement; None: names from agent.yaml only.
+        self.fabric_facts: Callable[[], Mapping[str, NodeFabricFacts]] | None = None
         self.clock = clock
         self.rng = rng or random.Random()
         c = config.control
@@ -881,6 +885,7 @@ class Reconciler:
                 gpus.setdefault(s.node_id, set()).update(s.gpus)
                 mem[s.node_id] = mem.get(s.node_id, 0.0) + r.memory_gb
                 count[s.node_id] = count.get(s.node_id, 0) + 1
+        facts = self.fabric_facts() if self.fabric_facts is not None else {}
         out = []
         for nid in sorted(nodes, key=natural_key):
             mark = self.marks.get(nid)
@@ -890,6 +895,7 @@ class Reconciler:
                     cordoned=mark is NodeMark.CORDONED,
                     draining=mark is NodeMark.DRAINING,
                     claims=Claims(frozenset(gpus.get(nid, ())), mem.get(nid, 0.0), count.get(nid, 0)),
+                    fabric_facts=facts.get(nid),
                 )
             )
         return out
