@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from llmgw.agent.discovery.commands import run_command
+from llmgw.agent.discovery.commands import find_tool, run_command
 from llmgw.agent.fabric_bench import (
     IB_WRITE_BW,
     BwOutcome,
@@ -54,9 +52,6 @@ CLIENT_RETRY_S = 1.0
 OUTPUT_LINES = 20
 # After a failed install, a missing tool is reported without trying again until this passes.
 INSTALL_RETRY_S = 600.0
-# Where root's tools live: Debian leaves /usr/sbin off a service's PATH, and
-# infiniband-diags installs there on some distributions.
-SBIN_DIRS: tuple[Path, ...] = (Path("/usr/sbin"), Path("/sbin"))
 
 DIAGS = "infiniband-diags"
 PERFTEST = "perftest"
@@ -66,14 +61,6 @@ PERFTEST_PACKAGES: Mapping[str, Sequence[str]] = {"deb": (PERFTEST,), "rpm": (PE
 
 # The package installer of the agent (Installer.install_packages), or None where there is none.
 InstallPackages = Callable[[Mapping[str, Sequence[str]]], Awaitable[list[str]]]
-
-
-def find_tool(name: str) -> str | None:
-    """A tool on PATH, else in the sbin directories (as doctor looks)."""
-    found = shutil.which(name)
-    if found:
-        return found
-    return next((str(d / name) for d in SBIN_DIRS if (d / name).is_file() and os.access(d / name, os.X_OK)), None)
 
 
 class PackageOnDemand:

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from cryptography import x509
 
 from llmgw.agent.discovery.collect import DiscoveryOptions, collect_inventory
-from llmgw.agent.discovery.commands import Runner, Which, run_command
+from llmgw.agent.discovery.commands import SBIN_DIRS, Runner, Which, find_tool, run_command
 from llmgw.agent.discovery.commands import which as default_which
 from llmgw.agent.discovery.infiniband import DEFAULT_IB_ROOT, ports_of, read_adapters
 from llmgw.agent.discovery.topology import TOPO_TIMEOUT_S
@@ -119,9 +119,8 @@ class DoctorOptions:
     free_bytes: Callable[[str], int | None] | None = field(default=None, repr=False)
     resolve: Resolver | None = field(default=None, repr=False)
     dial: Dialler | None = field(default=None, repr=False)
-    # Where tools root installs live: Debian leaves /usr/sbin off a user's
-    # PATH, and lspci, sminfo and saquery may be there.
-    sbin_dirs: tuple[Path, ...] = (Path("/usr/sbin"), Path("/sbin"))
+    # Where tools root installs live (lspci, sminfo and saquery may be there).
+    sbin_dirs: tuple[Path, ...] = SBIN_DIRS
     imex_config: Path = IMEX_CONFIG_FILE
     connect: Connect = field(default=tcp_connect, repr=False)  # dials the IMEX peers
     timeout_s: float = COLLECT_TIMEOUT_S
@@ -243,10 +242,7 @@ def smi_path(opts: DoctorOptions) -> str | None:
 
 def tool(opts: DoctorOptions, name: str) -> str | None:
     """A tool on PATH, else in the sbin directories."""
-    found = opts.which(name)
-    if found:
-        return found
-    return next((str(d / name) for d in opts.sbin_dirs if (d / name).is_file()), None)
+    return find_tool(name, opts.which, opts.sbin_dirs)
 
 
 def _topo_raw(opts: DoctorOptions, unreadable: list[str]) -> str | None:

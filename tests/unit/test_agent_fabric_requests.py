@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from llmgw.agent import fabric_tools, service
+from llmgw.agent.discovery import commands
 from llmgw.agent.discovery.collect import DiscoveryOptions
 from llmgw.agent.discovery.commands import CommandResult
 from llmgw.agent.fabric_bench import parse_ib_write_bw
@@ -118,7 +119,7 @@ def tools(tmp_path, monkeypatch) -> Tools:
     t = Tools(tmp_path)
     # Only the scripts are tools here: what this machine has installed must not answer.
     monkeypatch.setenv("PATH", str(t.bin))
-    monkeypatch.setattr(fabric_tools, "SBIN_DIRS", ())
+    monkeypatch.setattr(commands, "SBIN_DIRS", ())
     return t
 
 

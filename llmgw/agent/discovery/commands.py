@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +72,19 @@ def run_command(argv: Sequence[str], timeout: float) -> CommandResult:
 
 def which(name: str) -> str | None:
     return shutil.which(name)
+
+
+# Where root's tools live: Debian leaves /usr/sbin off a user's (and a service's)
+# PATH, and infiniband-diags installs there on some distributions.
+SBIN_DIRS: tuple[Path, ...] = (Path("/usr/sbin"), Path("/sbin"))
+
+
+def find_tool(
+    name: str, which: Callable[[str], str | None] = which, sbin_dirs: Sequence[Path] | None = None
+) -> str | None:
+    """A tool on PATH, else in the sbin directories (doctor and the agent look alike)."""
+    found = which(name)
+    if found:
+        return found
+    dirs = SBIN_DIRS if sbin_dirs is None else sbin_dirs
+    return next((str(d / name) for d in dirs if (d / name).is_file() and os.access(d / name, os.X_OK)), None)

@@ -44,6 +44,7 @@ from llmgw.protocol.admin import (
     MasterChangeRow,
     SubnetManagerRow,
 )
+from llmgw.protocol.doctor import SubnetManagers
 from llmgw.protocol.fabric_test import Grade, RailResult, grade
 from llmgw.server.control import fabric_map, nvlink
 from llmgw.server.control.agents import AgentService, AgentServiceError, Node
@@ -62,9 +63,10 @@ log = logging.getLogger("llmgw.server.control.fabrics")
 SCAN_INTERVAL_S = 300.0  # the spec's five minutes
 # The agent gives ibnetdiscover two minutes; the answer gets a little longer to travel.
 SCAN_TIMEOUT_S = 150.0
-# An unchanged report is still given to the registry this often, so its clock (a
-# master change's hour, a day of history) moves on for quiet nodes too.
-REPORT_REFRESH_S = 60.0
+# An unchanged report is still given to the registry this often, so what it
+# remembers of a quiet fabric (its master, its SMs seen together) stays within
+# the registry's day of history. Not more often: each update reads every node.
+REPORT_REFRESH_S = 600.0
 
 DEFAULT_TEST_SECONDS = 3
 MAX_TEST_SECONDS = 30
@@ -128,13 +130,6 @@ def report_of(node: Node) -> NodeFabricReport:
     )
 
 
-def _report_key(r: NodeFabricReport) -> tuple:
-    """What the registry reads of a report: counters and other per-heartbeat figures left out."""
-    ports = tuple((p.hca, p.port, p.state, p.link_layer, p.network, p.rate_gbps) for h in r.hcas for p in h.ports or ())
-    sms = r.subnet_managers.model_dump_json() if r.subnet_managers is not None else None
-    return ports, sms, tuple(sorted(r.declared.items())), r.checked, r.error
-
-
 class FabricService:
     def __init__(
         self,
@@ -148,6 +143,8 @@ class FabricService:
         self.clock = clock
         self.registry = FabricRegistry()
         self._last_report: dict[str, tuple[tuple, float]] = {}
+        self._sms_seen: dict[str, tuple[SubnetManagers | None, str | None]] = {}  # node -> (last read, its text)
+        self._known_ib: set[str] = set()
         self._scans: dict[str, FabricScan] = {}
         self._scanning: set[str] = set()
         self._testing: set[str] = set()  # nodes in a fabric test now
@@ -158,25 +155,49 @@ class FabricService:
     # -- feeding the registry ---------------------------------------------------
 
     def report(self, node: Node) -> None:
-        """A node registered or sent a heartbeat: give the registry what changed."""
-        r = report_of(node)
-        if not r.hcas and node.node_id not in self._last_report:
+        """A node registered or sent a heartbeat: give the registry what changed.
+
+        Called on every heartbeat of every node, so what is compared is read off the
+        record directly (ports' states and rates, not their counters; the SM read's
+        text only when a new read came), and the registry, whose update reads every
+        node, is given a report only when it changed."""
+        nid = node.node_id
+        key = self._key(node)
+        if key is None:
             return  # no adapter, never had one: nothing to say about fabrics
         now = self.clock()
-        key = _report_key(r)
-        last = self._last_report.get(node.node_id)
+        last = self._last_report.get(nid)
         if last is not None and last[0] == key and now - last[1] < REPORT_REFRESH_S:
             return
-        known = {f.id for f in self.registry.fabrics()}
-        self.registry.update(r, now)
-        self._last_report[node.node_id] = (key, now)
-        if any(f.id not in known and f.kind == INFINIBAND for f in self.registry.fabrics()):
+        self.registry.update(report_of(node), now)
+        self._last_report[nid] = (key, now)
+        ib = {f.id for f in self.registry.fabrics(now) if f.kind == INFINIBAND}
+        if ib - self._known_ib:
             self._wake.set()  # a fabric seen for the first time is mapped now, not in five minutes
+        self._known_ib = ib
+
+    def _key(self, node: Node) -> tuple | None:
+        inv = node.inventory
+        ports = node.ib_ports if node.ib_ports is not None else (inv.ib_ports if inv else [])
+        if not ports and node.node_id not in self._last_report:
+            return None
+        sms = node.subnet_managers
+        seen = self._sms_seen.get(node.node_id)
+        if seen is None or seen[0] is not sms:  # a new read (about once a minute)
+            seen = self._sms_seen[node.node_id] = (sms, sms.model_dump_json() if sms is not None else None)
+        declared = node.declared_fabrics if node.declared_fabrics is not None else node.fabrics
+        return (
+            tuple((p.hca, p.port, p.state, p.link_layer, p.network, p.rate_gbps) for p in ports),
+            seen[1],
+            tuple((f.fabric, tuple(f.hcas or ())) for f in declared or ()),
+            node.subnet_managers_error,
+        )
 
     def _forget_removed(self) -> None:
         for nid in [n for n in self._last_report if self.agents.get(n) is None]:
             self.registry.remove(nid)
             del self._last_report[nid]
+            self._sms_seen.pop(nid, None)
 
     # -- reading ----------------------------------------------------------------
 
