@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llmgw.agent.discovery.commands import find_tool, run_command
+from llmgw.agent.discovery.subnet import collect_subnet_managers
 from llmgw.agent.fabric_bench import (
     IB_WRITE_BW,
     BwOutcome,
@@ -28,7 +29,6 @@ from llmgw.agent.fabric_bench import (
     server_args,
 )
 from llmgw.agent.provision.status import ProvisionError
-from llmgw.doctor.subnet import collect_subnet_managers
 from llmgw.protocol import FabricScanReply, FabricScanRequest, FabricTestReply, FabricTestRequest, IBPort
 from llmgw.protocol.doctor import SubnetManagers
 

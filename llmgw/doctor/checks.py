@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from llmgw.agent.discovery.subnet import MASTER, STANDBY
 from llmgw.agent.provision.llamacpp_release import RELEASE_MIN_GLIBC
 from llmgw.agent.provision.python_engines import FREE_GB as VLLM_FREE_GB
 from llmgw.agent.provision.python_engines import MIN_COMPUTE_CAPABILITY as VLLM_MIN_CC
@@ -18,7 +19,6 @@ from llmgw.protocol import IBPort
 from llmgw.protocol.doctor import Facts, Finding, Level, PortSubnetManagers, SMRecord
 
 from .nvidia import is_gpu
-from .subnet import MASTER, STANDBY
 
 GIB = 1 << 30
 # Below this a machine holds only the smallest models next to its OS; engines

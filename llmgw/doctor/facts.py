@@ -35,6 +35,7 @@ from llmgw.agent.discovery.collect import DiscoveryOptions, collect_inventory
 from llmgw.agent.discovery.commands import SBIN_DIRS, Runner, Which, find_tool, run_command
 from llmgw.agent.discovery.commands import which as default_which
 from llmgw.agent.discovery.infiniband import DEFAULT_IB_ROOT, ports_of, read_adapters
+from llmgw.agent.discovery.subnet import collect_subnet_managers
 from llmgw.agent.discovery.topology import TOPO_TIMEOUT_S
 from llmgw.agent.engines.common import nccl_env
 from llmgw.agent.engines.spec import Adapter, NodeFacts, Profile, ShardLaunch
@@ -59,7 +60,6 @@ from llmgw.protocol.doctor import (
 )
 
 from .nvidia import IMEX_CONFIG_FILE, Connect, is_nvswitch, nvidia_pci, probe_smi, read_imex_config, tcp_connect
-from .subnet import collect_subnet_managers
 
 # The spec's cap on reading everything: long enough for a slow nvidia-smi on
 # eight cards, short enough that `node add` on twenty machines is not stuck on one.

@@ -14,6 +14,40 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 
+# The doctor fixtures' two subnet managers: A the master (LID 1, priority 15), B its standby.
+SM_A, SM_B = "0x248a070300f7d3a0", "0x248a070300f7d3c8"
+
+
+def sminfo_text(failed_over: bool = False) -> str:
+    """What `sminfo` prints on a port of the fixtures' subnet: A master, or B after a failover."""
+    if failed_over:
+        text = (FIXTURES / "doctor" / "sminfo_lid2_standby.txt").read_text()
+        return text.replace("state 2 SMINFO_STANDBY", "state 3 SMINFO_MASTER")
+    return (FIXTURES / "doctor" / "sminfo_master.txt").read_text()
+
+
+def smir_text(failed_over: bool = False) -> str:
+    """What `saquery SMIR` prints there: the two SMs, their states swapped after a failover."""
+    text = (FIXTURES / "doctor" / "saquery_smir_master_standby.txt").read_text()
+    if failed_over:
+        text = (
+            text.replace("SMState...............3", "@")
+            .replace("SMState...............2", "SMState...............3")
+            .replace("@", "SMState...............2")
+        )
+    return text
+
+
+def map_guids(ibnetdiscover: str) -> dict[str, dict[str, str]]:
+    """host -> device -> adapter GUID, as an `ibnetdiscover` fixture printed them."""
+    from llmgw.server.control import fabric_map
+
+    out: dict[str, dict[str, str]] = {}
+    for a in fabric_map.parse_ibnetdiscover(ibnetdiscover).adapters:
+        if a.node and a.device:
+            out.setdefault(a.node, {})[a.device] = a.guid
+    return out
+
 
 def sysfs_guid(guid: str) -> str:
     """0xa088c2030012f3a0 -> a088:c203:0012:f3a0, as node_guid reads in sysfs."""
@@ -80,32 +114,18 @@ class Tools:
         return [ln.split() for ln in f.read_text().splitlines()] if f.exists() else []
 
     def add_diags(self, master_file: Path | None = None) -> None:
-        """sminfo and saquery SMIR printing the doctor fixtures' two SMs (master LID 1,
-        standby LID 2). With ``master_file``, the file holding "B" means the standby
-        took over: sminfo names it and SMIR shows the two states swapped."""
+        """sminfo and saquery SMIR printing the doctor fixtures' two SMs. With
+        ``master_file``, the file holding "B" means the standby took over."""
         pick = (
             f"FAILED_OVER = pathlib.Path({str(master_file)!r}).read_text().strip() == 'B'\n"
             if master_file is not None
             else "FAILED_OVER = False\n"
         )
-        self.add(
-            "sminfo",
-            pick + "if FAILED_OVER:\n"
-            "    text = (FIX / 'doctor' / 'sminfo_lid2_standby.txt').read_text()\n"
-            "    text = text.replace('state 2 SMINFO_STANDBY', 'state 3 SMINFO_MASTER')\n"
-            "else:\n"
-            "    text = (FIX / 'doctor' / 'sminfo_master.txt').read_text()\n"
-            "sys.stdout.write(text)\n",
-        )
+        use = "from llmgw.testing.ib_machine import sminfo_text, smir_text\n"
+        self.add("sminfo", pick + use + "sys.stdout.write(sminfo_text(FAILED_OVER))\n")
         self.add(
             "saquery",
-            pick + "if 'SMIR' not in sys.argv:\n    sys.exit(1)\n"
-            "text = (FIX / 'doctor' / 'saquery_smir_master_standby.txt').read_text()\n"
-            "if FAILED_OVER:\n"
-            "    text = text.replace('SMState...............3', '@')\n"
-            "    text = text.replace('SMState...............2', 'SMState...............3')\n"
-            "    text = text.replace('@', 'SMState...............2')\n"
-            "sys.stdout.write(text)\n",
+            pick + use + "if 'SMIR' not in sys.argv:\n    sys.exit(1)\nsys.stdout.write(smir_text(FAILED_OVER))\n",
         )
 
     def add_ibnetdiscover(self, fixture: str = "ibnetdiscover_fat_tree.txt") -> None:

@@ -16,12 +16,11 @@ import subprocess
 import httpx
 from harness import Gateway, llmgw_cmd, start_agent
 
-from llmgw.server.control import fabric_map
-from llmgw.testing.ib_machine import FIXTURES, Tools, write_adapter
+from llmgw.testing.ib_machine import FIXTURES, SM_A, SM_B, Tools, map_guids, write_adapter
 from llmgw.testing.ports import free_port
 from llmgw.testing.waiting import until
 
-MASTER_A, MASTER_B = "0x248a070300f7d3a0", "0x248a070300f7d3c8"
+MASTER_A, MASTER_B = SM_A, SM_B
 FABRIC = f"ib:{MASTER_A}"
 DEVICES = ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
 
@@ -29,16 +28,6 @@ DEVICES = ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
 def _ctl(*args: str) -> None:
     r = subprocess.run(llmgw_cmd("ctl", "cert", *args), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-
-
-def _guids() -> dict[str, dict[str, str]]:
-    """The fat tree's adapters by host and device, as ibnetdiscover printed them."""
-    topo = fabric_map.parse_ibnetdiscover((FIXTURES / "fabric" / "ibnetdiscover_fat_tree.txt").read_text())
-    out: dict[str, dict[str, str]] = {}
-    for a in topo.adapters:
-        if a.node and a.device:
-            out.setdefault(a.node, {})[a.device] = a.guid
-    return out
 
 
 def _metric(text: str, name: str) -> list[str]:
@@ -58,7 +47,7 @@ def test_two_agents_report_their_fabric_map_it_test_its_rails_and_show_a_failove
     tools.add_diags(master)
     tools.add_ibnetdiscover()
     tools.add_ib_write_bw(slow=("mlx5_2",), refuse_first=True)
-    guids = _guids()
+    guids = map_guids((FIXTURES / "fabric" / "ibnetdiscover_fat_tree.txt").read_text())
 
     agent_port, metrics_port = free_port(), free_port()
     gw = Gateway(

@@ -15,6 +15,14 @@ import pytest
 from test_doctor_checks import DOCTOR_FIX, SMI, FakeRun, find, gb200_facts, h100_answers, machine, write_port
 
 from llmgw.agent.discovery.commands import CommandResult, run_command
+from llmgw.agent.discovery.subnet import (
+    MASTER,
+    STANDBY,
+    collect_subnet_managers,
+    parse_issm_lids,
+    parse_sminfo,
+    parse_smir,
+)
 from llmgw.doctor import collect_facts, evaluate
 from llmgw.doctor.nvidia import (
     dial_peers,
@@ -24,14 +32,6 @@ from llmgw.doctor.nvidia import (
     parse_lspci,
     parse_smi_list,
     read_imex_config,
-)
-from llmgw.doctor.subnet import (
-    MASTER,
-    STANDBY,
-    collect_subnet_managers,
-    parse_issm_lids,
-    parse_sminfo,
-    parse_smir,
 )
 from llmgw.protocol import IMEX, IBPort
 from llmgw.protocol.doctor import ImexPeer, Level

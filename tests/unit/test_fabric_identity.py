@@ -4,7 +4,7 @@ and the problems an operator is shown, each with what to do.
 
 Subnet-manager reads come from doctor's fixtures (tests/fixtures/doctor/README.md
 says what each is), run through the agent's own collector and parsers
-(llmgw/doctor/subnet.py); where a second subnet or a failover is needed, the
+(llmgw/agent/discovery/subnet.py); where a second subnet or a failover is needed, the
 fixture text is rewritten (GUIDs, states) and still read by the real parser.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.discovery.commands import CommandResult
-from llmgw.doctor.subnet import collect_subnet_managers, parse_sminfo, parse_smir
+from llmgw.agent.discovery.subnet import collect_subnet_managers, parse_sminfo, parse_smir
 from llmgw.errors import LlmgwError
 from llmgw.protocol.doctor import PortSubnetManagers, SubnetManagers
 from llmgw.protocol.inventory import HCA, IBPort

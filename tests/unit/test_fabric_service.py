@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 
 from llmgw.agent.discovery.commands import CommandResult
-from llmgw.doctor.subnet import collect_subnet_managers
+from llmgw.agent.discovery.subnet import collect_subnet_managers
 from llmgw.protocol import (
     FEATURES,
     HCA,
@@ -32,40 +32,21 @@ from llmgw.protocol import (
     NodeInventory,
 )
 from llmgw.protocol.fabric_test import Grade
-from llmgw.server.control import fabric_map
 from llmgw.server.control.agents import AgentService, Node
 from llmgw.server.control.fabric_identity import MASTER_CHANGED, METRIC_MASTER_SM
 from llmgw.server.control.fabrics import FabricService, FabricTestRefused, UnknownFabric
 from llmgw.server.control.fleet_metrics import FabricCollector
+from llmgw.testing.ib_machine import SM_A, SM_B, map_guids, sminfo_text, smir_text
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
-SMINFO_A = (FIX / "doctor" / "sminfo_master.txt").read_text()
-SMIR_AB = (FIX / "doctor" / "saquery_smir_master_standby.txt").read_text()
 FAT_TREE = (FIX / "fabric" / "ibnetdiscover_fat_tree.txt").read_text()
 DEGRADED = (FIX / "fabric" / "ibnetdiscover_fat_tree_degraded.txt").read_text()
-A_GUID, B_GUID = "0x248a070300f7d3a0", "0x248a070300f7d3c8"
+A_GUID, B_GUID = SM_A, SM_B
 FABRIC = f"ib:{A_GUID}"
-
-
-def failover(text: str) -> str:
-    """The fixtures after the standby took over: B master, A standby."""
-    return (
-        text.replace("SMState...............3", "@")
-        .replace("SMState...............2", "SMState...............3")
-        .replace("@", "SMState...............2")
-    )
-
-
-SMINFO_B = (
-    (FIX / "doctor" / "sminfo_lid2_standby.txt").read_text().replace("state 2 SMINFO_STANDBY", "state 3 SMINFO_MASTER")
-)
-
+SMINFO_A, SMIR_AB = sminfo_text(), smir_text()
+SMINFO_B, SMIR_BA = sminfo_text(failed_over=True), smir_text(failed_over=True)
 # The fat tree's adapters: host -> device -> node GUID, as ibnetdiscover printed them.
-TOPO = fabric_map.parse_ibnetdiscover(FAT_TREE)
-GUIDS: dict[str, dict[str, str]] = {}
-for _a in TOPO.adapters:
-    if _a.node and _a.device:
-        GUIDS.setdefault(_a.node, {})[_a.device] = _a.guid
+GUIDS = map_guids(FAT_TREE)
 
 
 def sm_reads(ports: list[IBPort], sminfo: str = SMINFO_A, smir: str = SMIR_AB):
@@ -169,7 +150,7 @@ def test_a_master_change_is_a_problem_and_moves_the_master_metric():
     svc, agents, clock = service(ib_node("node-a"), ib_node("node-b"))
     clock.now += 120
     for name in ("node-a", "node-b"):
-        agents.put(ib_node(name, sminfo=SMINFO_B, smir=failover(SMIR_AB)))
+        agents.put(ib_node(name, sminfo=SMINFO_B, smir=SMIR_BA))
     reply = svc.reply()
     assert [f.id for f in reply.fabrics] == [FABRIC], "the identity survives the failover"
     f = reply.fabrics[0]
@@ -181,7 +162,7 @@ def test_a_master_change_is_a_problem_and_moves_the_master_metric():
     # An hour on, the change is history, no longer a problem.
     clock.now += 3700
     for name in ("node-a", "node-b"):
-        agents.put(ib_node(name, sminfo=SMINFO_B, smir=failover(SMIR_AB)))
+        agents.put(ib_node(name, sminfo=SMINFO_B, smir=SMIR_BA))
     assert not [p for p in svc.reply().problems if p.kind == MASTER_CHANGED]
     assert svc.reply().fabrics[0].master_changes
 

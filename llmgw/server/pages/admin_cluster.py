@@ -43,6 +43,7 @@ from llmgw.protocol.admin import (
 )
 from llmgw.server.admin.api import AdminAPI, AdminRefused, NotControlPlane
 from llmgw.server.control.agents import Node
+from llmgw.server.pages.admin_fabrics import FabricPages
 from llmgw.server.pages.admin_format import FMT, ago, clock, duration, node_href, size
 from llmgw.server.pages.admin_people import PeoplePage
 from llmgw.server.pages.charts import DEFAULT_WINDOW, WINDOWS, cluster_panels, node_panels, window_of
@@ -398,6 +399,7 @@ class AdminPages:
         self.site.route("GET", "/admin/nodes/{node}", "admin", self.node)
         self.site.route("GET", "/admin/nodes/{node}/logs", "admin", self.logs)
         PeoplePage(self.site).add_routes()
+        FabricPages(self.site, self.reads.api).add_routes()
 
     # -- /admin ---------------------------------------------------------------------------
 
