@@ -151,10 +151,9 @@ class Node:
     fabric_problems: list[str] | None = None  # why a fabric agent.yaml declares is not advertised
     declared_fabrics: list[FabricAttachment] | None = None  # agent.yaml's, usable or not
     # The agent's last read of its ports' subnet managers (about once a minute),
-    # or why it could not read them; when it came.
+    # or why it could not read them.
     subnet_managers: SubnetManagers | None = None
     subnet_managers_error: str | None = None
-    subnet_managers_at: float | None = None
     memory: MemoryInfo | None = None
     load: NodeLoad | None = None
     storage: list[Storage] | None = None
@@ -641,7 +640,6 @@ class AgentService:
             # One read: what it found and why it could not go further travel together.
             node.subnet_managers = hb.subnet_managers
             node.subnet_managers_error = hb.subnet_managers_error
-            node.subnet_managers_at = time.time()
         for ps in hb.provision or ():
             # Merged by engine: the agent sends one engine's status when only it changed.
             node.provision[ps.engine] = ps
