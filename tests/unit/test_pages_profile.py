@@ -260,9 +260,10 @@ async def test_a_budget_bar_appears_for_each_budget_that_applies_and_fills_with_
         async def filled() -> str | None:
             text = (await http.get("/profile")).text
             bar = re.search(rf'data-pool="project:{proj.id}".*?</li>', text, re.S)
-            return text if bar and "0.00 of 2.00" not in bar.group(0) else None
+            # The bar reads the limits' running spend, the figure the usage rows, written a moment later.
+            return text if bar and "0.00 of 2.00" not in bar.group(0) and float(_figure(text, "spend")) > 0 else None
 
-        page = await async_until(filled, 15, "the turn's cost in the project's budget bar")
+        page = await async_until(filled, 15, "the turn's cost in the project's budget bar and in own use")
     spent = float(re.search(r"([\d.]+) of 2\.00 today", page).group(1))
     assert spent > 0 and float(_figure(page, "spend")) == spent  # the one turn, in own use and in the bar
     expected = "spent" if spent >= 2 else "amber" if spent >= 1.6 else "ok"
