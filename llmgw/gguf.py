@@ -18,6 +18,7 @@ import functools
 import logging
 import re
 import struct
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -215,8 +216,18 @@ def judge(header: dict[str, Any], url: str, architectures: frozenset[str]) -> st
     return None
 
 
-async def read_header(url: str, client: httpx.AsyncClient, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Fetch just enough of ``url`` to read its header, growing the Range as needed."""
+async def read_header(
+    url: str,
+    client: httpx.AsyncClient,
+    headers: dict[str, str] | None = None,
+    *,
+    until: Callable[[dict[str, Any]], bool] | None = None,
+) -> dict[str, Any]:
+    """Fetch just enough of ``url`` to read its header, growing the Range as needed.
+
+    ``until``: given the metadata read so far, whether it holds what the caller needs; while it
+    does not, the header is read on (to MAX_READ at most) past ``general.architecture``, e.g. to
+    the vocabulary, which `llmgw ctl plan` counts the embeddings with."""
     want = FIRST_READ
     while True:
         h = {**(headers or {}), **download.request_headers(0), "Range": f"bytes=0-{want - 1}"}
@@ -232,11 +243,17 @@ async def read_header(url: str, client: httpx.AsyncClient, headers: dict[str, st
             cr = download.parse_content_range(resp.headers.get("Content-Range"))
             whole = resp.status_code == 200 or (cr is not None and cr.total is not None and cr.total <= want)
         try:
-            return parse_header(bytes(data[:want]))
+            header = parse_header(bytes(data[:want]))
         except _NeedMore:
             if whole or len(data) < want or want >= MAX_READ:
                 raise GGUFError(f"the header of {url} did not fit in its first {min(want, len(data))} bytes") from None
             want = min(want * 4, MAX_READ)
+            continue
+        if header["complete"] or until is None or until(header["metadata"]):
+            return header
+        if whole or len(data) < want or want >= MAX_READ:
+            return header  # all there is: the caller finds what is missing
+        want = min(want * 4, MAX_READ)
 
 
 async def check_gguf_url(

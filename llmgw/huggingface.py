@@ -171,3 +171,12 @@ async def tree(
     if url is None:
         return out
     raise HFError("too-long", url, base)
+
+
+async def json_file(
+    client: httpx.AsyncClient, endpoint: str, repo: str, revision: str, path: str, *, token: str | None = None
+) -> Any:
+    """A JSON file of the repository (``config.json``…) at ``revision``, read whole: one for
+    reading, not a model's weights."""
+    base = endpoint.rstrip("/")
+    return _json(await _get(client, file_url(base, repo, revision, path), base, token), base)

@@ -22,10 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Callable
@@ -42,6 +40,7 @@ from llmgw.download import PART_SUFFIX, Step
 from llmgw.errors import LlmgwError
 from llmgw.files import replace_durably, write_atomic
 from llmgw.paths import segment_problem
+from llmgw.protocol.weights_names import CACHE_NAME, cache_name_of
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +55,8 @@ COMPLETE_MARKER = ".complete"
 # control plane can compare sources rather than re-deriving names.
 SOURCES_INDEX = ".sources.json"
 
-_HASH_LEN = 16
-_CACHE_NAME = re.compile(rf"^[0-9a-f]{{{_HASH_LEN}}}-[A-Za-z0-9._-]+$")
-_READABLE_MAX = 150  # keeps name + ".part" well under the 255-byte limit
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# The naming is shared with the control plane, which reads nodes' reports by it.
+_CACHE_NAME = CACHE_NAME
 
 MANIFEST_MAX_BYTES = 4 << 20  # a manifest is a few KB; a bigger answer is not one
 
@@ -146,26 +143,10 @@ def is_set(source: str) -> bool:
 
 
 def cache_name(source: str) -> str:
-    """The name a URL source is kept under in the cache directory.
-
-    A hash of the whole source makes it collision-free; the host and path
-    after it are only there so a person listing the directory can tell what
-    is what. The file's own name stays last so its extension survives.
-    """
+    """The name a URL source is kept under in the cache directory (``weights_names.cache_name_of``)."""
     if classify(source) not in (SourceKind.FILE_URL, SourceKind.SET_URL):
         raise WeightsError(f"{source!r} is not a URL, so it is never fetched and has no cache name")
-    digest = hashlib.sha256(source.encode()).hexdigest()[:_HASH_LEN]
-    if source.startswith("hf:"):
-        host, path = "hf", source[len("hf:") :]
-    else:
-        parts = urlsplit(source)
-        host, path = parts.hostname or "", parts.path
-        if parts.port:
-            host += f"_{parts.port}"
-    readable = _UNSAFE.sub("_", f"{host}/{path.strip('/')}".replace("/", "_")).strip("._") or "x"
-    if len(readable) > _READABLE_MAX:
-        readable = readable[-_READABLE_MAX:].lstrip("._-") or "x"  # the tail holds the file name
-    return f"{digest}-{readable}"
+    return cache_name_of(source)
 
 
 def first_gguf(directory: Path) -> Path:

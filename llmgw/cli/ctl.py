@@ -534,6 +534,8 @@ def explain_placement(
         return
     for p in data.profiles:
         typer.echo(f"profile {p.profile}:")
+        if p.capacity:
+            typer.echo(f"  {p.capacity}")  # what a replica of it was measured to serve (ctl bench --save)
         if p.error:
             typer.echo(f"  {p.error}")
             continue
@@ -582,7 +584,16 @@ def fabric_test(
 
 
 # Registered last: it uses the helpers above.
-from llmgw.cli import ctl_mirror, ctl_token  # noqa: E402
+from llmgw.cli import ctl_mirror, ctl_ops, ctl_token  # noqa: E402
 
 app.add_typer(ctl_mirror.app, name="mirror")
 app.add_typer(ctl_token.app, name="token")
+app.add_typer(ctl_ops.app)  # status, usage, weights, engine-check: commands of ctl itself
+
+from llmgw.cli import ctl_bench  # noqa: E402
+
+app.add_typer(ctl_bench.app)  # bench, capacity: measured capacity (ctl_bench.py)
+
+from llmgw.cli import ctl_plan  # noqa: E402
+
+app.add_typer(ctl_plan.app)  # plan: does a model fit (ctl_plan.py)

@@ -12,6 +12,7 @@ because `llmgw ctl` of one release talks to servers of another.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from pydantic import ConfigDict, Field, StrictInt, field_serializer
@@ -41,6 +42,10 @@ class EndpointRow(WireModel):
     running: float | None = None
     kv_cache_usage: float | None = None
     metrics_stale: bool | None = None
+    # From the measured capacity of its replica's profile (`ctl bench --save`): the requests in
+    # flight at which admission counts it full, and its share in routing (1: the default).
+    capacity: int | None = None
+    weight: float | None = None
 
 
 class EndpointsReply(WireModel):
@@ -275,6 +280,7 @@ class ProfilePlacement(WireModel):
     profile: str
     error: str | None = None  # set (and nodes empty) when the profile cannot be placed at all
     nodes: list[NodeVerdict]
+    capacity: str | None = None  # what a replica of it was measured to serve (`ctl bench --save`), in words
 
 
 class PlacementReply(WireModel):
@@ -365,3 +371,207 @@ class FabricTestView(WireModel):
     rails: list[RailResult]
     notes: list[str] = Field(default_factory=list)
     ok: bool
+
+
+# ------------------------------------------------------------------ ctl status, usage, weights (admin/ops.py)
+
+
+class ClusterModel(WireModel):
+    """One catalog model (or, on a plain gateway, one model of server.yaml) in `ctl status`."""
+
+    name: str
+    managed: bool | None = None  # placed by the control plane; False: static endpoints
+    target: int | None = None  # replicas wanted now (managed models)
+    ready: int | None = None  # replicas ready, or for static endpoints those the router may use
+    replicas: dict[str, int] | None = None  # state -> how many
+    scaling: str | None = None  # the catalog's words: fixed, on demand, stopped...
+    endpoints: int | None = None  # static endpoints declared
+
+
+class ClusterFabric(WireModel):
+    """A fabric the nodes advertise, and the models whose replicas have shards on its nodes."""
+
+    fabric: str
+    models: list[str]
+    nodes_used: int  # of its nodes, those running a shard of a live replica
+    nodes_total: int
+
+
+class ClusterTrouble(WireModel):
+    kind: str  # replica, node, engine, model, catalog
+    subject: str | None = None  # the replica, node or model it is about
+    message: str
+
+
+class ClusterStatus(WireModel):
+    """GET /api/v1/cluster: the cluster on one screen."""
+
+    version: str
+    control_plane: bool
+    standby: str | None = None  # why this control plane places nothing, when it is a standby
+    endpoints: int | None = None  # every endpoint the gateway routes to
+    endpoints_available: int | None = None
+    nodes: dict[str, int] | None = None  # state -> how many (control plane only)
+    models: list[ClusterModel] = Field(default_factory=list)
+    fabrics: list[ClusterFabric] = Field(default_factory=list)
+    failing: list[ClusterTrouble] = Field(default_factory=list)
+
+
+class UsageGroup(WireModel):
+    id: str | None = None  # None: usage outside any group of this level (see label)
+    label: str
+    requests: int
+    tokens_in: int
+    tokens_out: int
+    spend_micros: int
+    budget_micros: int | None = None  # the budget this very level sets, when it sets one
+    budget_period: str | None = None  # day or month
+
+
+class UsageReply(WireModel):
+    """GET /api/v1/usage?by=org|team|project|person&since=ISO-8601: usage summed per group."""
+
+    by: str
+    since: str  # ISO 8601, UTC
+    until: str
+    priced: bool  # whether any model has a price (else spend is 0 throughout)
+    groups: list[UsageGroup]
+
+
+class WeightsFile(WireModel):
+    path: str
+    size_bytes: int | None = None
+    shared: bool | None = None  # on a network filesystem other nodes also see
+    used_by: list[str] = Field(default_factory=list)  # models (or replicas) needing it; empty: none does
+
+
+class NodeWeights(WireModel):
+    node: str
+    connected: bool | None = None
+    files: list[WeightsFile]
+
+
+class WeightsReply(WireModel):
+    """GET /api/v1/weights: what each node's weights cache holds (files llmgw fetched), and who needs it."""
+
+    nodes: list[NodeWeights]
+
+
+class WeightsAsked(WireModel):
+    node: str
+    paths: list[str]
+    size_bytes: int
+    sent: bool | None = None  # False: the node could not be asked (error says why)
+    error: str | None = None  # why it could not be asked, or what the node kept and why
+
+
+class WeightsCollectReply(WireModel):
+    """POST /api/v1/weights/collect: which nodes were asked to remove which unneeded files."""
+
+    nodes: list[WeightsAsked]
+
+
+# ------------------------------------------------------------------ measured capacity (ctl bench --save, ctl capacity)
+
+
+class CapacitySLO(WireModel):
+    """The latency targets a capacity was measured against, in seconds (p99 of each)."""
+
+    ttft_p99: float = Field(gt=0)  # time to first token
+    tpot_p99: float = Field(gt=0)  # time per output token after the first
+
+
+class Capacity(WireModel):
+    """What one replica of a model on one profile served while it met ``slo`` (`llmgw ctl bench`):
+    the body and reply of PUT /api/v1/models/{model}/capacity. Measuring again replaces it.
+    Throughput and latencies are those of the last level that held, not of the peak."""
+
+    model: str
+    profile: str
+    max_concurrency_at_slo: StrictInt = Field(ge=0)  # 0: not even one request at a time met the SLO
+    throughput_tok_per_sec: float = Field(ge=0)  # output tokens per second at that level
+    ttft_p99: float | None = Field(default=None, ge=0)  # seconds, at that level; None when none held
+    tpot_p99: float | None = Field(default=None, ge=0)
+    # The engine's own queue and KV-cache use seen at that level: what admission may treat as
+    # healthy for this model (None: the engine publishes no such figure).
+    suggested_target_waiting: StrictInt | None = Field(default=None, ge=0)
+    suggested_kv_ceiling: float | None = Field(default=None, ge=0, le=1)
+    slo: CapacitySLO
+    target: str  # the endpoint the load went to
+    measured_at: datetime
+
+
+class CapacityView(Capacity):
+    measured_by: str | None = None  # the admin credential that saved it
+
+
+class CapacityReply(WireModel):
+    """GET /api/v1/capacity: every measurement, by model and profile."""
+
+    capacity: list[CapacityView]
+
+
+# ------------------------------------------------------------------ plan (`llmgw ctl plan`)
+
+
+class PlanArchitecture(WireModel):
+    """What GET /api/v1/plan read of a model, and where (server/control/sizing.py counts it)."""
+
+    read_from: str  # in words: "config.json of m/v in the mirror (URL)", "the GGUF header of …"
+    format: str  # config.json or gguf
+    name: str  # LlamaForCausalLM, or a GGUF's architecture (llama)
+    model_type: str | None = None
+    parameters: int | None = None  # None: the header did not say enough to count them
+    active_parameters: int | None = None  # per token, for a mixture of experts
+    layers: int
+    hidden_size: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    experts: int | None = None
+    experts_per_token: int | None = None
+    shared_experts: int | None = None
+    tied_embeddings: bool | None = None
+    latent_attention: bool = False  # DeepSeek's MLA: the KV cache holds the latent
+    max_context: int | None = None
+    kv_elements_per_token: int  # all layers together
+    checkpoint: str | None = None  # the checkpoint's own precision (torch_dtype, quantization_config, GGUF type)
+    file_bytes: int | None = None  # a GGUF's size (all its parts)
+    notes: list[str] = Field(default_factory=list)
+
+
+class PlanRow(WireModel):
+    """One precision on one GPU class (or CPU node size); ``pool`` "-" for the figures alone."""
+
+    precision: str  # bf16, fp8, int8, int4 (vLLM); f16, q8_0, q4_k_m (llama.cpp); a GGUF's own type
+    engine: str  # vllm or llamacpp
+    pool: str  # h100-80g, cpu-64g, or "-"
+    gpu: bool
+    memory_bytes: int | None = None  # per GPU, or the CPU node's
+    fits: bool | None = None  # None for the figures alone
+    gpus_per_replica: int | None = None  # 0 on a CPU node; None where no layout of the class would do
+    tensor_parallel: int | None = None  # what the profile's tp says (GPUs across its nodes)
+    nodes: int | None = None  # what the profile's nodes says
+    weights_bytes: int
+    kv_cache_bytes: int
+    headroom_bytes: int | None = None
+    total_bytes: int | None = None  # weights + KV cache + headroom
+    free_bytes: int | None = None  # what the replica's GPUs (or node) have left; None where it does not fit
+    reason: str | None = None  # why it does not fit
+    checkpoint: bool = False  # the precision the checkpoint itself is in
+
+
+class PlanReply(WireModel):
+    """GET /api/v1/plan?model=M[&context=N][&concurrency=N][&kv_cache=fp16|fp8]."""
+
+    model: str
+    context: int
+    concurrency: int
+    kv_cache: str
+    architecture: PlanArchitecture
+    rows: list[PlanRow]  # every precision on every pool of the fleet
+    figures: list[PlanRow]  # every precision's weights and KV cache, whatever the fleet
+    headroom: str  # the rule, in words
+    notes: list[str] = Field(default_factory=list)

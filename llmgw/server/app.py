@@ -27,6 +27,7 @@ from llmgw.pki import PKIError, peer_node_id, server_context
 from llmgw.server.admin.access import AccessError, AdminAccess, ensure_first_token
 from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
 from llmgw.server.control.agents import AgentService
+from llmgw.server.control.capacity import Capacities
 from llmgw.server.control.catalog import HF_ENDPOINT, Catalog, check_source, hf_file_url
 from llmgw.server.control.fabrics import FabricService
 from llmgw.server.control.fleet_metrics import FabricCollector, FleetCollector
@@ -100,6 +101,7 @@ class Server:
         self.fabrics: FabricService | None = None
         self.catalog: Catalog | None = None
         self.reconciler: Reconciler | None = None
+        self.capacity: Capacities | None = None  # measured capacity (ctl bench --save), on a control plane
         self.leadership: Leadership | None = None
         self.shared: SharedEndpoints | None = None
         self._leading_lock = asyncio.Lock()
@@ -181,6 +183,11 @@ class Server:
                 rec = self.reconciler
                 assert self.fabrics is not None
                 rec.fabric_facts = self.fabrics.facts
+                # Measured capacity (ctl bench --save): read now, again every 30 s and on each save,
+                # and given to the replicas' endpoints for admission and routing (control/capacity.py).
+                self.capacity = rec.capacity = Capacities(self.store, self.catalog)
+                self.capacity.replicas = lambda: rec.replicas.values()
+                await self.capacity.start()
                 assert self.leadership is not None
                 await self.leadership.start()
                 if self.leadership.is_leader():
@@ -233,6 +240,8 @@ class Server:
             # Engines keep running: a control plane that stops leaves its fleet serving,
             # and adopts it again when it comes back.
             await self.reconciler.stop()
+        if self.capacity is not None:
+            await self.capacity.stop()
         if self.shared is not None:
             await self.shared.stop()
         if self.leadership is not None:

@@ -205,7 +205,8 @@ class _AdmissionCollector:
             depth.add_metric([model], n)
         sat = GaugeMetricFamily(
             "llmgw_pool_saturation",
-            "The worse of queue depth and KV-cache use against healthy levels; 1 is the healthy limit.",
+            "The worst of queue depth and KV-cache use against healthy levels and requests in flight against "
+            "measured capacity; 1 is the healthy limit.",
             labels=["model"],
         )
         for model, v in sorted(st.saturation.items()):

@@ -2,6 +2,7 @@
 
 from .address import resolve_store_address
 from .agents import Note, Retention, Swept
+from .capacity import MeasuredCapacity
 from .errors import (
     Ambiguous,
     AmbiguousKey,
@@ -40,6 +41,7 @@ __all__ = [
     "KeyRecord",
     "Lease",
     "LimitRecord",
+    "MeasuredCapacity",
     "Membership",
     "NotFound",
     "NotMember",

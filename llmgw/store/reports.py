@@ -60,6 +60,9 @@ class UsageBucket:
     requests: int
     tokens: int
     cost_micros: int
+    # tokens split in two, for `llmgw ctl usage`
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 def _limit_json(rec: LimitRecord | None) -> str | None:
@@ -180,6 +183,8 @@ class ReportsMixin:
                 func.count().label("requests"),
                 func.coalesce(func.sum(usage.c.prompt_tokens + usage.c.completion_tokens), 0).label("tokens"),
                 func.coalesce(func.sum(usage.c.cost_micros), 0).label("cost"),
+                func.coalesce(func.sum(usage.c.prompt_tokens), 0).label("prompt"),
+                func.coalesce(func.sum(usage.c.completion_tokens), 0).label("completion"),
             )
             .where(usage.c.at >= since, usage.c.at < until)
             .group_by(column, bucket)
@@ -188,6 +193,14 @@ class ReportsMixin:
             q = q.where(usage.c.org_id == org_id)
         async with self._engine.connect() as conn:
             return [
-                UsageBucket(r.group_id, int(r.bucket), int(r.requests), int(r.tokens), int(r.cost))
+                UsageBucket(
+                    r.group_id,
+                    int(r.bucket),
+                    int(r.requests),
+                    int(r.tokens),
+                    int(r.cost),
+                    int(r.prompt),
+                    int(r.completion),
+                )
                 for r in await conn.execute(q)
             ]

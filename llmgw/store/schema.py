@@ -397,3 +397,25 @@ NOTES_SEARCH = "memory_notes_fts"
 def is_derived_table(name: str) -> bool:
     """Whether a table the migrations made is derived data (the note search), not rows to copy."""
     return name == NOTES_SEARCH or name.startswith(NOTES_SEARCH + "_")
+
+
+# -- measured capacity (0011, capacity.py) --------------------------------------------
+# What one replica of a model on one profile served at an SLO (`llmgw ctl bench --save`);
+# re-measuring replaces the row. Times in seconds.
+model_capacity = Table(
+    "model_capacity",
+    metadata,
+    Column("model", String(200), primary_key=True),
+    Column("profile", String(200), primary_key=True),
+    Column("concurrent", Integer, nullable=False),  # 0: not even one request at a time met the SLO
+    Column("tokens_per_s", Float, nullable=False),
+    Column("ttft_p99", Float, nullable=True),  # at the level that held; null when none did
+    Column("tpot_p99", Float, nullable=True),
+    Column("wait", Integer, nullable=True),  # the engine's own queue seen there; null: not published
+    Column("kv", Float, nullable=True),  # its KV-cache use seen there, 0 to 1
+    Column("slo_ttft_p99", Float, nullable=False),
+    Column("slo_tpot_p99", Float, nullable=False),
+    Column("target", Text, nullable=False),
+    Column("measured_at", UTCDateTime, nullable=False),
+    Column("measured_by", Text, nullable=True),
+)

@@ -1,7 +1,8 @@
 """The store's async API: API keys, usage rows, the keys generation counter and the
 models added to the catalog at run time. The tenancy tree, people, claims and limits
-are in tenancy.py, admin tokens in admin_tokens.py, browser sessions in sessions.py and
-agents' conversations and notes in agents.py, mixed into Store."""
+are in tenancy.py, admin tokens in admin_tokens.py, browser sessions in sessions.py,
+agents' conversations and notes in agents.py and measured capacity in capacity.py, mixed
+into Store."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .address import NUMERIC_PARAMS, resolve_store_address
 from .admin_tokens import AdminTokensMixin
 from .agents import AgentDataMixin
 from .allowance import AllowanceMixin
+from .capacity import CapacityMixin
 from .errors import AmbiguousKey, KeyAlreadyRevoked, KeyNotFound, StoreError, mask_password
 from .keyrows import KEY_COLS as _KEY_COLS
 from .keyrows import PREFIX_LEN, SECRET_PREFIX, hash_secret
@@ -133,7 +135,16 @@ def _shown_address(url: str) -> str:
     return mask_password(u.set(drivername="postgresql").render_as_string(hide_password=False))
 
 
-class Store(TenancyMixin, AdminTokensMixin, SessionsMixin, ReportsMixin, LeasesMixin, AllowanceMixin, AgentDataMixin):
+class Store(
+    TenancyMixin,
+    AdminTokensMixin,
+    SessionsMixin,
+    ReportsMixin,
+    LeasesMixin,
+    AllowanceMixin,
+    AgentDataMixin,
+    CapacityMixin,
+):
     """Open with `await Store.open(address)`; every method is one short transaction."""
 
     def __init__(self, engine: AsyncEngine, shown_address: str):

@@ -126,6 +126,16 @@ GUARDS: dict[tuple[str, str, str], str] = {
     ("admin_listen", "GET", "/api/v1/fabrics/{fabric}/topology"): ADMIN,
     ("admin_listen", "POST", "/api/v1/fabric-test"): ADMIN,
     ("admin_listen", "GET", "/api/v1/nvlink"): ADMIN,
+    # ctl status, usage and weights (admin/ops.py)
+    ("admin_listen", "GET", "/api/v1/cluster"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/usage"): ADMIN,
+    ("admin_listen", "GET", "/api/v1/weights"): ADMIN,
+    ("admin_listen", "POST", "/api/v1/weights/collect"): ADMIN,
+    # measured capacity: ctl bench --save and ctl capacity (admin/capacity_api.py)
+    ("admin_listen", "GET", "/api/v1/capacity"): ADMIN,
+    ("admin_listen", "PUT", "/api/v1/models/{model}/capacity"): ADMIN,
+    # does a model fit: ctl plan (admin/plan.py)
+    ("admin_listen", "GET", "/api/v1/plan"): ADMIN,
     ("metrics_listen", "GET", "/metrics"): NETWORK,
     ("agent_listen", "GET", "/v1/agent/stream"): AGENT,
 }

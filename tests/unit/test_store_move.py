@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from llmgw.server.gateway.auth import AuthError, KeyCache
-from llmgw.store import Store, StoreError, UsageRow, resolve_store_address
+from llmgw.store import MeasuredCapacity, Store, StoreError, UsageRow, resolve_store_address
 from llmgw.store.migrate import revisions
 from llmgw.store.move import CopiedTable, copy_order, move_store
 from llmgw.store.schema import is_derived_table, limit_changes, metadata, store_state, usage
@@ -61,7 +61,7 @@ async def _populate(address: str) -> Populated:
     """A store as a gateway leaves it, made through the Store's own methods: a tree, people
     (active, manager, pending), keys of every kind, limits and budgets at several levels,
     claims (one used), a session, an admin token, usage with cost, catalog and node marks,
-    conversations, stored responses and notes."""
+    conversations, stored responses and notes, a measured capacity."""
     async with await Store.open(address) as s:
         await s.add("org", "Acme")
         await s.add("team", "platform", "Acme")
@@ -94,6 +94,23 @@ async def _populate(address: str) -> Populated:
         admin_token, _ = await s.create_admin_token("ops")
         await s.catalog_put("tiny", '{"name": "tiny", "source": "hf:x/y"}')
         await s.node_mark_set("gpu01", "cordoned")
+        await s.capacity_put(
+            MeasuredCapacity(
+                "tiny",
+                "llamacpp-cpu",
+                4,
+                120.0,
+                0.3,
+                0.02,
+                1,
+                None,
+                2.0,
+                0.1,
+                "http://10.0.0.5:20001",
+                datetime.now(UTC),
+                "token a",
+            )
+        )
         # Conversations, a response chain and notes (SQLite's search index is rebuilt, not copied).
         gateway_id = project_key.key.project_id
         await s.set_retention("Acme/platform/gateway", "threads", 72)

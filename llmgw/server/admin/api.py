@@ -127,6 +127,15 @@ class AdminAPI:
         app.router.add_get("/api/v1/fabrics/{fabric}/topology", self._api_fabric_topology)
         app.router.add_post("/api/v1/fabric-test", self._api_fabric_test)
         app.router.add_get("/api/v1/nvlink", self._api_nvlink)
+        from llmgw.server.admin.ops import OpsAPI  # it imports this module, so not at the top
+
+        OpsAPI(self).add_routes(app)  # cluster, usage, weights (ctl status, usage, weights)
+        from llmgw.server.admin.plan import PlanAPI  # it imports this module too
+
+        PlanAPI(self).add_routes(app)  # does a model fit (ctl plan)
+        from llmgw.server.admin.capacity_api import add_capacity_routes  # it imports this module too
+
+        add_capacity_routes(self, app)  # measured capacity (ctl bench --save, ctl capacity)
 
     # The public methods answer the reply models (the pages call them in process); each route
     # reads its request, calls one, and answers its model as JSON or its refusal.
@@ -161,6 +170,8 @@ class AdminAPI:
                     running=None if stale else ep.running,
                     kv_cache_usage=None if stale else ep.kv_usage,
                     metrics_stale=stale,
+                    capacity=ep.capacity,  # from ctl bench --save (control/capacity.py)
+                    weight=ep.weight,
                 )
             )
         return EndpointsReply(endpoints=out)
@@ -436,6 +447,8 @@ class AdminAPI:
                 ProfilePlacement(
                     profile=profile.name,
                     nodes=[NodeVerdict(node=v.node_id, chosen=v.chosen, reasons=v.reasons) for v in verdicts],
+                    # What a replica of this profile was measured to serve (ctl bench --save), if anything.
+                    capacity=self.s.capacity.words(entry.name, profile.name) if self.s.capacity else None,
                 )
             )
         return json_reply(PlacementReply(model=entry.name, profiles=out))

@@ -46,6 +46,7 @@ from llmgw.protocol import (
     StopShard,
 )
 from llmgw.server.control.agents import AgentService, AgentServiceError, Node, NodeState, ShardEvent
+from llmgw.server.control.capacity import Capacities
 from llmgw.server.control.catalog import Catalog, CatalogEntry
 from llmgw.server.control.placement import (
     Claims,
@@ -234,6 +235,9 @@ class Reconciler:
         # What the control plane knows of each node's physical fabrics (the fabric
         # service's), for multi-node placement; None: names from agent.yaml only.
         self.fabric_facts: Callable[[], Mapping[str, NodeFabricFacts]] | None = None
+        # Measured capacity (`ctl bench --save`), which sets each published endpoint's admission
+        # limit and routing weight (control/capacity.py); None: every endpoint keeps the defaults.
+        self.capacity: Capacities | None = None
         self.clock = clock
         self.rng = rng or random.Random()
         c = config.control
@@ -606,6 +610,8 @@ class Reconciler:
         # The agent has seen the engine answer; the gateway's own probe keeps watching.
         ep.healthy = True
         ep.health_detail = f"ready (replica {r.id} on {leader.node_id})"
+        if self.capacity is not None:
+            self.capacity.fit(ep, r.model, r.profile)  # its measured capacity and weight, before it takes traffic
         r.endpoint = ep
         self.endpoints.add(ep)
         log.info("replica %s of %s is ready at %s; serving", r.id, r.model, ep.url)

@@ -3,7 +3,8 @@
 A model's endpoints form one pool. Its *saturation* is the worse of two ratios
 against what counts as healthy: requests waiting inside the engines (their own
 queues) per endpoint against ``healthy_waiting``, and KV-cache use against
-``kv_ceiling``. 1.0 is the healthy limit, not the point of failure.
+``kv_ceiling``; and where `ctl bench --save` measured the replicas' capacity, a third:
+the requests in flight against it. 1.0 is the healthy limit, not the point of failure.
 
 Below 1 a request passes at once (a synchronous check: the hot path awaits
 nothing). At or above 1 it waits in the model's queue until it is admitted,
@@ -98,6 +99,13 @@ def pool_saturation(
     guess. Unavailable endpoints (unhealthy, breaker open) are left out; a
     model with none available reads 0, so its requests pass on to the proxy,
     which answers 503 or waits for a cold start as it does without admission.
+
+    A measured capacity (``Endpoint.capacity``, from `ctl bench --save`: the most
+    requests in flight at which a replica of the profile still met its latency target)
+    is a third ratio: the gateway's requests in flight over the sum of the endpoints'
+    capacities, so a pool at its measured concurrency is saturated. It counts only when
+    every available endpoint has one (one without has headroom nobody measured, and
+    admission does not guess), and for any engine, ``openai`` included.
     """
     now = time.monotonic() if now is None else now
     stale_after = endpoints.stale_after
@@ -105,8 +113,18 @@ def pool_saturation(
     counted = 0
     kv_sum = 0.0
     kv_n = 0
+    capacity = 0  # the available endpoints' measured capacities, summed
+    capacity_inflight = 0
+    unmeasured = False  # an available endpoint without one
     for ep in endpoints.by_model.get(model, ()):
-        if not ep.available(now) or not _measured(ep):
+        if not ep.available(now):
+            continue
+        if ep.capacity:
+            capacity += ep.capacity
+            capacity_inflight += ep.inflight
+        else:
+            unmeasured = True
+        if not _measured(ep):
             continue
         counted += 1
         running = ep.running or 0.0
@@ -128,19 +146,23 @@ def pool_saturation(
             if ep.kv_usage is not None:
                 kv_sum += ep.kv_usage
                 kv_n += 1
+    at_capacity = capacity_inflight / capacity if capacity and not unmeasured else 0.0
     if not counted:
-        return 0.0
+        return at_capacity
     queue = waiting / (healthy_waiting * counted)
     kv = (kv_sum / kv_n) / kv_ceiling if kv_n else 0.0
-    return max(queue, kv)
+    return max(queue, kv, at_capacity)
 
 
 def pool_capacity(endpoints: EndpointSet, model: str, healthy_waiting: float, *, now: float | None = None) -> float:
     """The healthy limit of a model's pool in requests: ``healthy_waiting`` per available
-    endpoint that publishes its load (what saturation 1.0 stands for)."""
+    endpoint that publishes its load (what saturation 1.0 stands for); or, when every
+    available endpoint has a measured capacity, the sum of those."""
     now = time.monotonic() if now is None else now
-    n = sum(1 for ep in endpoints.by_model.get(model, ()) if ep.available(now) and _measured(ep))
-    return healthy_waiting * n
+    available = [ep for ep in endpoints.by_model.get(model, ()) if ep.available(now)]
+    if available and all(ep.capacity for ep in available):
+        return float(sum(ep.capacity or 0 for ep in available))
+    return healthy_waiting * sum(1 for ep in available if _measured(ep))
 
 
 # --- the queue ---------------------------------------------------------------

@@ -19,7 +19,7 @@ import aiohttp
 
 from llmgw.files import read_secret_file
 from llmgw.protocol.prometheus import parse_prometheus
-from llmgw.server.gateway.routing import PrefixLRU, Router
+from llmgw.server.gateway.routing import PrefixLRU, Router, weighted
 
 log = logging.getLogger("llmgw.gateway.endpoints")
 
@@ -87,6 +87,7 @@ class Endpoint:
         "_breaker_failures",
         "alive_at",
         "auth_headers",
+        "capacity",
         "cooldown",
         "engine",
         "failures",
@@ -108,6 +109,7 @@ class Endpoint:
         "upstream_model",
         "url",
         "waiting",
+        "weight",
     )
 
     def __init__(
@@ -154,6 +156,11 @@ class Endpoint:
         # Block hashes of prompts sent here recently (prefix routing; made on first use).
         self.prefixes: PrefixLRU | None = None
         self.api_key = api_key
+        # Set from the measured capacity of its replica's profile (`ctl bench --save`, see
+        # control/capacity.py): the requests in flight at which admission counts it full (None:
+        # not measured), and its share against the model's other endpoints in routing.
+        self.capacity: int | None = None
+        self.weight = 1.0
 
     @property
     def api_key(self) -> str | None:
@@ -265,11 +272,13 @@ class EndpointSet:
         stale = self.stale_after
         best = self.router.choose(
             model,
-            [
-                (ep, ep.load(now, stale))
-                for ep in self.by_model.get(model, ())
-                if ep not in exclude and ep.available(now)
-            ],
+            weighted(
+                [
+                    (ep, ep.load(now, stale))
+                    for ep in self.by_model.get(model, ())
+                    if ep not in exclude and ep.available(now)
+                ]
+            ),
             blocks,
         )
         if best is not None and best.failures:

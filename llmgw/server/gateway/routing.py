@@ -5,7 +5,10 @@ served the longest leading part of the same prompt, so the engine finds that
 part already in its KV cache and skips prefilling it, as long as that endpoint
 is not much busier than the least loaded one; otherwise it takes the least
 loaded. ``least_loaded`` ignores the prompt; ``round_robin`` ignores both load
-and prompt and rotates per model.
+and prompt and rotates per model. Where a model's endpoints differ in weight (a
+profile's ``weight``, or the capacity `ctl bench --save` measured for it), loads are
+compared per unit of weight (:func:`weighted`); ``round_robin`` rotates evenly whatever
+the weights.
 
 Prompts are compared without a tokenizer. The request's prompt text (for chat,
 each message's role and text content in order) is cut into fixed blocks of
@@ -99,6 +102,22 @@ def block_hashes(text: str, block_chars: int = DEFAULT_BLOCK_CHARS) -> tuple[int
         h = hash((h, text[i : i + block_chars]))
         out.append(h)
     return tuple(out)
+
+
+def weighted(candidates: list[tuple[Endpoint, float]]) -> list[tuple[Endpoint, float]]:
+    """The candidates' loads per unit of their endpoints' weight (a profile's ``weight``, or
+    its measured capacity: control/capacity.py), so an endpoint of twice the weight takes
+    twice the requests before it counts as busier. Each is compared as the load it would
+    have with the new request, ``(load + 1) / weight`` (weighted least connections: an idle
+    pool already fills the heavier endpoint first), scaled by the mean weight and less that
+    one request again, so loads stay in requests and equal weights change nothing at all."""
+    if len(candidates) < 2:
+        return candidates
+    first = candidates[0][0].weight
+    if all(ep.weight == first for ep, _ in candidates):
+        return candidates
+    mean = sum(ep.weight for ep, _ in candidates) / len(candidates)
+    return [(ep, (load + 1.0) * mean / ep.weight - 1.0) for ep, load in candidates]
 
 
 class PrefixLRU:
