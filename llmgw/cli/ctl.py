@@ -31,6 +31,7 @@ from llmgw.protocol.admin import (
     ScaleRequest,
     ShardFetch,
 )
+from llmgw.timefmt import short_duration
 
 app = typer.Typer(help="Operate the fleet: certificates, nodes, models.", no_args_is_help=True)
 cert_app = typer.Typer(
@@ -130,18 +131,7 @@ def _ago(ts: float | None) -> str:
     return _duration(time.time() - ts) + " ago"
 
 
-def _duration(s: float | None) -> str:
-    """45s, 12m, 5h, 3d: how long, to a person's precision."""
-    if s is None:
-        return "-"
-    s = max(0.0, s)
-    if s < 120:
-        return f"{s:.0f}s"
-    if s < 2 * 3600:
-        return f"{s / 60:.0f}m"
-    if s < 2 * 86400:
-        return f"{s / 3600:.0f}h"
-    return f"{s / 86400:.0f}d"
+_duration = short_duration  # 45s, 12m, 5h, 3d
 
 
 def _size(n: float | None) -> str:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from llmgw.bench import latency_words
 from llmgw.config.server import ProfileConfig
 from llmgw.store import MeasuredCapacity, Store
+from llmgw.timefmt import short_duration
 
 if TYPE_CHECKING:
     from llmgw.server.control.catalog import Catalog
@@ -45,14 +46,7 @@ DEFAULT_WEIGHT: float = ProfileConfig.model_fields["weight"].default
 
 
 def _ago(seconds: float) -> str:
-    s = max(0.0, seconds)
-    if s < 120:
-        return f"{s:.0f}s ago"
-    if s < 2 * 3600:
-        return f"{s / 60:.0f}m ago"
-    if s < 2 * 86400:
-        return f"{s / 3600:.0f}h ago"
-    return f"{s / 86400:.0f}d ago"
+    return short_duration(seconds) + " ago"
 
 
 class Capacities:
