@@ -55,8 +55,6 @@ COMPLETE_MARKER = ".complete"
 # control plane can compare sources rather than re-deriving names.
 SOURCES_INDEX = ".sources.json"
 
-# The naming is shared with the control plane, which reads nodes' reports by it.
-_CACHE_NAME = CACHE_NAME
 
 MANIFEST_MAX_BYTES = 4 << 20  # a manifest is a few KB; a bigger answer is not one
 
@@ -339,7 +337,7 @@ class WeightsCache:
             name = entry.name
             partial = name.endswith(PART_SUFFIX)
             base = name[: -len(PART_SUFFIX)] if partial else name
-            if not _CACHE_NAME.match(base):
+            if not CACHE_NAME.match(base):
                 continue  # not a name this cache gives; not ours to report
             try:
                 st = entry.lstat()
@@ -380,7 +378,7 @@ class WeightsCache:
 
     def remove_name(self, name: str) -> list[Path]:
         """Delete a cache entry by the name ``fetched()`` reported."""
-        if not isinstance(name, str) or not _CACHE_NAME.match(name):
+        if not isinstance(name, str) or not CACHE_NAME.match(name):
             raise WeightsError(f"{name!r} is not a name this cache gives to what it fetches; nothing was removed")
         if str(self.root / name) in self._flights:
             raise WeightsError(f"{name} is being fetched right now; stop the shards waiting on it, then remove it")

@@ -210,10 +210,11 @@ class FabricService:
         return self.registry.problems(self.clock())
 
     def fabric(self, fabric_id: str) -> PhysicalFabric:
-        for f in self.fabrics():
+        fabrics = self.fabrics()
+        for f in fabrics:
             if f.id == fabric_id:
                 return f
-        known = ", ".join(f.id for f in self.fabrics()) or "none yet"
+        known = ", ".join(f.id for f in fabrics) or "none yet"
         raise UnknownFabric(f"no fabric {fabric_id!r} is known (known: {known}); GET /api/v1/fabrics lists them")
 
     def scan_of(self, fabric_id: str) -> FabricScan | None:
