@@ -166,6 +166,9 @@ class Node:
     shards: dict[str, ShardStatus] = field(default_factory=dict)
     registered_shards: list[RunningShard] = field(default_factory=list)
     _seen_mono: float = 0.0  # monotonic clock of last_seen, for liveness
+    # Bumped on every applied registration, heartbeat and state change, so a reader
+    # (the reconciler's node views) can tell an unchanged record without reading it.
+    version: int = 0
 
     def ready_engines(self) -> set[str]:
         """Engines proved installed: reported in engine_versions or provisioned ready."""
@@ -277,6 +280,7 @@ class AgentService:
         self._report_listeners.append(listener)
 
     def _reported(self, node: Node) -> None:
+        node.version += 1
         for fn in self._report_listeners:
             try:
                 fn(node)
@@ -733,6 +737,7 @@ class AgentService:
                 if node.unreachable_since is None:
                     node.unreachable_since = time.time()
                 node.state = NodeState.LOST
+                node.version += 1
                 log.warning(
                     "node %s is lost: no heartbeat for %.0fs (last %s); its work is placed elsewhere",
                     node.node_id,
@@ -741,6 +746,7 @@ class AgentService:
                 )
             elif self.unreachable_after <= age < self.lost_after and node.state == NodeState.READY:
                 node.state = NodeState.UNREACHABLE
+                node.version += 1
                 node.unreachable_since = time.time()
                 log.warning(
                     "node %s is unreachable: no heartbeat for %.0fs (last %s); nothing new is placed there",

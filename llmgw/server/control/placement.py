@@ -12,7 +12,9 @@ large fleet does not re-read pydantic models for every request.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import itertools
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,10 +48,16 @@ def gpu_class_of(gpu: GPU) -> str:
     Memory is rounded to whole GiB because that is how cards are sold and how
     operators write ``gpu_class`` (an H100 reports 79.6 GiB, an L40S 44.99).
     """
-    model = _gpu_model(gpu.name)
-    if gpu.memory_total_bytes is None:
+    return _class_of(gpu.name, gpu.memory_total_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _class_of(name: str | None, memory_total_bytes: int | None) -> str:
+    # A fleet has a few kinds of card and a view is built for every card of every node.
+    model = _gpu_model(name)
+    if memory_total_bytes is None:
         return model
-    return f"{model}-{round(gpu.memory_total_bytes / GiB)}g"
+    return f"{model}-{round(memory_total_bytes / GiB)}g"
 
 
 def _gpu_model(name: str | None) -> str:
@@ -257,6 +265,96 @@ def node_view(
         nvlink_domain=nvlink_domain,
         fabric_facts=fabric_facts if fabric_facts is not None else NodeFabricFacts(),
     )
+
+
+def _view_inputs(node: Node) -> tuple:
+    """Every figure of a ``Node`` that ``node_view`` reads, and nothing else (not GPU
+    utilisation or memory used, load, last seen): equal inputs, equal views. The
+    inventory, replaced only by a registration, is compared apart by identity."""
+    inv = node.inventory
+    memory = node.memory or (inv.memory if inv else None)
+    storage = node.storage or (inv.storage if inv else None) or []
+    first = (storage[0].shared, storage[0].free_bytes) if storage else None
+    return (
+        node.state,
+        tuple(node.engine_versions.items()) if node.engine_versions is not None else None,
+        tuple((e, st.state, st.version, st.detail) for e, st in node.provision.items()),
+        tuple((u.index, u.ecc_uncorrected, bool(u.fabric), u.fabric.domain if u.fabric else None) for u in node.gpus)
+        if node.gpus
+        else (),
+        (node.imex.state if node.imex else None, bool(node.imex)),
+        memory.total_bytes if memory else None,
+        first,
+        tuple((w.path, w.size_bytes != 0) for w in node.weights or ()),
+        tuple((node.labels or {}).items()),
+        tuple((f.fabric, tuple(f.hcas or ())) for f in node.fabrics or ()),
+    )
+
+
+def _view_refs(node: Node) -> tuple:
+    """The objects ``node_view`` reads: all the same ones (a heartbeat replaces what it
+    reports), and the same version, and the record is as it was."""
+    return (
+        node.version,
+        node.state,
+        node.inventory,
+        node.engine_versions,
+        node.gpus,
+        node.imex,
+        node.memory,
+        node.storage,
+        node.weights,
+        node.labels,
+        node.fabrics,
+        *node.provision.values(),  # merged into one dict in place, so each status apart
+    )
+
+
+@dataclass
+class _CachedView:
+    refs: tuple
+    inventory: object
+    inputs: tuple
+    extra: tuple
+    view: NodeView
+
+
+class NodeViewCache:
+    """Node views kept between passes: a node's view is built again only when what
+    placement reads of it changed (its record's figures, its mark, its claims, its
+    fabric facts), not on every heartbeat."""
+
+    def __init__(self) -> None:
+        self._views: dict[str, _CachedView] = {}
+
+    def view(
+        self,
+        node: Node,
+        cordoned: bool = False,
+        draining: bool = False,
+        claims: Claims | None = None,
+        fabric_facts: NodeFabricFacts | None = None,
+    ) -> NodeView:
+        """``node_view(node, ...)``, from the cache when nothing it reads changed."""
+        extra = (cordoned, draining, claims or Claims(), fabric_facts)
+        refs = _view_refs(node)
+        c = self._views.get(node.node_id)
+        if c is not None and c.extra == extra:
+            same = len(c.refs) == len(refs) and all(a is b for a, b in zip(c.refs[1:], refs[1:], strict=True))
+            if same and c.refs[0] == refs[0]:
+                return c.view
+            if c.inventory is node.inventory and c.inputs == _view_inputs(node):
+                c.refs = refs
+                return c.view
+        v = node_view(node, cordoned=cordoned, draining=draining, claims=claims, fabric_facts=fabric_facts)
+        self._views[node.node_id] = _CachedView(refs, node.inventory, _view_inputs(node), extra, v)
+        return v
+
+    def forget_except(self, node_ids: Iterable[str]) -> None:
+        """Drop the views of nodes no longer known."""
+        keep = set(node_ids)
+        for nid in [n for n in self._views if n not in keep]:
+            del self._views[nid]
 
 
 # ------------------------------------------------------------------ requests
@@ -843,30 +941,192 @@ def _identity_words(v: NodeView, group: PlacementGroup) -> str:
     return f"; it cannot say which physical fabric its adapters for {group.name} are on"
 
 
+def _schedulable(v: NodeView) -> bool:
+    """Whether a node can take new work at all: the first three filters of ``_fits``."""
+    return v.state is NodeState.READY and not v.cordoned and not v.draining
+
+
+def _tail(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _refusal_key(r: PlacementRequest) -> tuple:
+    """What a refusal's node-by-node words depend on: the request without its model name
+    (the source only through the disk filter's "already holds the weights")."""
+    return (
+        r.engine,
+        r.gpu_class,
+        r.tp,
+        r.nodes,
+        r.min_memory_gb,
+        r.disk_gb,
+        tuple(sorted(r.node_selector.items())),
+        r.source if r.disk_gb else None,
+    )
+
+
+class _Pool:
+    """The schedulable nodes one engine and GPU class (or CPU) can use, in ``_rank``
+    order without its first part (weights held), which a request checks apart."""
+
+    def __init__(self, engine: str, gpu_class: str | None) -> None:
+        self.engine = engine
+        self.gpu_class = gpu_class
+        self.keys: list[tuple] = []  # sorted; each ends in the node's position in the fleet
+
+    def key(self, v: NodeView, pos: int) -> tuple | None:
+        """The node's place in this pool, as ``_rank`` orders it; None when it is not in it."""
+        if not _schedulable(v) or (v.engines_probed and self.engine not in v.engines):
+            return None
+        if self.gpu_class:
+            # free_gpus - tp ranks as free_gpus does; a node with none of the class free never fits.
+            if not v.free_by_class.get(self.gpu_class):
+                return None
+            return (v.free_gpus, v.sort_key, pos)
+        free = v.memory_free_gb
+        return (v.replicas, -(free if free is not None else -1.0), v.sort_key, pos)
+
+    def update(self, old: NodeView, new: NodeView, pos: int) -> None:
+        if (k := self.key(old, pos)) is not None:
+            del self.keys[bisect.bisect_left(self.keys, k)]
+        if (k := self.key(new, pos)) is not None:
+            bisect.insort(self.keys, k)
+
+
 class Fleet:
     """Node views that placements claim from in turn, so that each request
-    placed sees the GPUs and memory the earlier ones took."""
+    placed sees the GPUs and memory the earlier ones took.
 
-    def __init__(self, nodes: Iterable[NodeView]) -> None:
+    ``place`` looks only at candidates: the nodes an index of the views (by
+    schedulable state, engine, free GPUs of a class, rank order, weights held)
+    says could fit, checked with ``_fits`` in ``_rank`` order until the first
+    that fits; what it gives is exactly what ``place`` over every view gives.
+    Claims update the index in place. A refusal's words (every node, and why)
+    are kept per request shape and redone only for the nodes claimed since.
+    ``indexed=False`` places over every view, as the reference the index is
+    tested against.
+    """
+
+    def __init__(self, nodes: Iterable[NodeView], indexed: bool = True) -> None:
         self.views = list(nodes)
+        self.indexed = indexed
         self._pos = {v.node_id: i for i, v in enumerate(self.views)}
+        self._pools: dict[tuple[str, str | None], _Pool] = {}
+        self._weights: dict[str, set[int]] | None = None  # path, or its last part -> positions
+        self._claimed: list[int] = []  # positions, in the order claims changed them
+        # request shape -> (claims seen, verdict per position) for single-node refusals;
+        # (claims seen, verdicts) for multi-node ones
+        self._refused: dict[tuple, tuple[int, list[NodeVerdict]]] = {}
+        self._order: list[int] | None = None  # positions in node order, as ``explain`` lists them
 
     def claim(self, placement: Placement, memory_gb: float | None) -> None:
         """``placement``'s GPUs taken, and ``memory_gb`` declared on each of its nodes."""
         for nid, gpus in placement.nodes:
             i = self._pos[nid]
-            self.views[i] = self.views[i].with_claim(gpus, memory_gb or 0.0)
+            old = self.views[i]
+            new = self.views[i] = old.with_claim(gpus, memory_gb or 0.0)
+            for pool in self._pools.values():
+                pool.update(old, new, i)
+            self._claimed.append(i)
+
+    def place(self, request: PlacementRequest) -> Placement | Refusal:
+        """``place(request, self.views)``, looking only at the candidates."""
+        if not self.indexed:
+            return place(request, self.views)
+        r = request
+        if r.nodes > 1:
+            # The nodes that fit, in fleet order, are all that forming a group reads.
+            res = place(r, [self.views[i] for i in sorted(self._candidates(r))])
+            return res if isinstance(res, Placement) else self._refuse(r)
+        best = self._best_single(r)
+        if best is None:
+            return self._refuse(r)
+        gpus = _choose_gpus(best, r)
+        return Placement(nodes=[(best.node_id, gpus)], explanation=_why_single(best, gpus, r))
+
+    # -- the index --------------------------------------------------------------
+
+    def _pool(self, r: PlacementRequest) -> _Pool:
+        key = (r.engine, r.gpu_class)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(r.engine, r.gpu_class)
+            pool.keys = sorted(k for i, v in enumerate(self.views) if (k := pool.key(v, i)) is not None)
+        return pool
+
+    def _holders(self, source: str | None) -> set[int]:
+        """Positions of nodes that may hold ``source``'s weights (``_holds_weights`` decides)."""
+        if not source:
+            return set()
+        if self._weights is None:
+            self._weights = {}
+            for i, v in enumerate(self.views):
+                for w in v.weights:
+                    self._weights.setdefault(w, set()).add(i)
+                    if t := _tail(w):
+                        self._weights.setdefault("\0" + t, set()).add(i)
+        out = set(self._weights.get(source, ()))
+        if t := _tail(source):
+            out |= self._weights.get("\0" + t, set())
+        return out
+
+    def _best_single(self, r: PlacementRequest) -> NodeView | None:
+        """The node ``min(fit, key=_rank)`` would give, or None when no node fits."""
+        views = self.views
+        # Holding the weights ranks first, and few nodes hold any one model's.
+        held = [
+            (_rank(v, r), i) for i in self._holders(r.source) if _holds_weights(v := views[i], r.source) and _fits(v, r)
+        ]
+        if held:
+            return views[min(held)[1]]
+        pool = self._pool(r)
+        keys = pool.keys
+        # Fewer free GPUs in all than tp: none of the class can be enough.
+        start = bisect.bisect_left(keys, (r.tp,)) if r.gpu_class else 0
+        for k in itertools.islice(keys, start, None):
+            if _fits(v := views[k[-1]], r):
+                return v
+        return None
+
+    def _candidates(self, r: PlacementRequest) -> list[int]:
+        """Positions of every node that fits."""
+        keys = self._pool(r).keys
+        start = bisect.bisect_left(keys, (r.tp,)) if r.gpu_class else 0
+        return [k[-1] for k in itertools.islice(keys, start, None) if _fits(self.views[k[-1]], r)]
+
+    # -- refusals ------------------------------------------------------------------
+
+    def _refuse(self, r: PlacementRequest) -> Refusal:
+        """``_refuse(r, self.views)``: worded once per request shape, then again only
+        for the nodes claimed since."""
+        key = _refusal_key(r)
+        seen = self._refused.get(key)
+        if r.nodes > 1:
+            # Multi-node words count every group's members: any claim may change them.
+            if seen is None or seen[0] != len(self._claimed):
+                seen = self._refused[key] = (len(self._claimed), _refuse(r, self.views).verdicts)
+            return Refusal(model=r.model, verdicts=list(seen[1]))
+        if seen is None:
+            by_pos = [NodeVerdict(v.node_id, False, _refusals(v, r)) for v in self.views]
+        else:
+            by_pos = list(seen[1])
+            for i in set(self._claimed[seen[0] :]):
+                by_pos[i] = NodeVerdict(self.views[i].node_id, False, _refusals(self.views[i], r))
+        self._refused[key] = (len(self._claimed), by_pos)
+        if self._order is None:
+            self._order = sorted(range(len(self.views)), key=lambda i: self.views[i].sort_key)
+        return Refusal(model=r.model, verdicts=[by_pos[i] for i in self._order])
 
 
 def place_all(
-    requests: Iterable[PlacementRequest], nodes: Sequence[NodeView]
+    requests: Iterable[PlacementRequest], nodes: Sequence[NodeView], indexed: bool = True
 ) -> tuple[list[Placement | Refusal], list[NodeView]]:
     """Place requests in order, each seeing the GPUs and memory the earlier
     ones claimed; returns the results and the views after all claims."""
-    fleet = Fleet(nodes)
+    fleet = Fleet(nodes, indexed=indexed)
     results: list[Placement | Refusal] = []
     for r in requests:
-        res = place(r, fleet.views)
+        res = fleet.place(r)
         results.append(res)
         if isinstance(res, Placement):
             fleet.claim(res, r.min_memory_gb)

@@ -53,12 +53,11 @@ from llmgw.server.control.placement import (
     Fleet,
     NodeFabricFacts,
     NodeView,
+    NodeViewCache,
     Placement,
     PlacementRequest,
     Refusal,
     natural_key,
-    node_view,
-    place,
 )
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.store import Store
@@ -191,13 +190,14 @@ class _PassFleet:
     """The node views one pass places on: built when its first placement needs them (most
     passes place nothing), then claimed from by each start it places."""
 
-    def __init__(self, build: Callable[[], list[NodeView]]) -> None:
+    def __init__(self, build: Callable[[], list[NodeView]], indexed: bool = True) -> None:
         self._build = build
+        self._indexed = indexed
         self._fleet: Fleet | None = None
 
     def get(self) -> Fleet:
         if self._fleet is None:
-            self._fleet = Fleet(self._build())
+            self._fleet = Fleet(self._build(), indexed=self._indexed)
         return self._fleet
 
 
@@ -250,6 +250,11 @@ class Reconciler:
         self.provision = Provision(
             engines=[EngineWant(engine=e, version=v, source_url=u) for e, v, u in config.engines.wanted()]
         )
+        # Node views kept between passes, built again only for nodes whose figures changed.
+        self._view_cache = NodeViewCache()
+        # False: place by checking every node (the exhaustive reference the index is tested
+        # and benchmarked against); the answers are the same.
+        self.indexed_placement = True
         self.replicas: dict[str, Replica] = {}
         self._shard_index: dict[str, str] = {}  # shard id -> replica id
         self.marks: dict[str, NodeMark] = {}  # node id -> its mark
@@ -270,6 +275,9 @@ class Reconciler:
         # run; placing before then would start engines the fleet already has.
         self.settle = c.unreachable_after
         self._started_at: float | None = None
+        # Once every node known to be out there is back there is nobody left to wait for.
+        self.expected_nodes = frozenset(c.expected_nodes)
+        self._back: set[str] = set()  # nodes registered since start()
         agents.on_shard_change(self._on_shard)
         agents.on_register(self._on_register)
 
@@ -280,7 +288,15 @@ class Reconciler:
             # The store holds only the marks it was given.
             self.marks = {n: NodeMark(m) for n, m in (await self.store.node_marks_list()).items()}
         self._started_at = self.clock()
-        log.info("waiting %gs for agents to reconnect before placing anything", self.settle)
+        self._back = set()
+        if self.expected_nodes:
+            log.info(
+                "waiting up to %gs for node(s) %s to reconnect before placing anything",
+                self.settle,
+                ", ".join(sorted(self.expected_nodes, key=natural_key)),
+            )
+        else:
+            log.info("waiting %gs for agents to reconnect before placing anything", self.settle)
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="reconciler")
 
@@ -463,6 +479,7 @@ class Reconciler:
     # -- reports from agents -----------------------------------------------------------
 
     def _on_register(self, node: Node, shards: list[RunningShard]) -> None:
+        self._back.add(node.node_id)
         if self.provision.engines:
             self._spawn(self._send_provision(node.node_id))
         now = self.clock()
@@ -768,10 +785,20 @@ class Reconciler:
                 self._release_stopping(r, nodes, now)
             elif r.failed_reason is None:
                 self._check_live(r, nodes, entries, now)
-        if self._started_at is not None and now - self._started_at < self.settle:
+        if self._settling(now):
             return []
-        fleet = _PassFleet(lambda: self.views(nodes))
+        fleet = _PassFleet(lambda: self.views(nodes), indexed=self.indexed_placement)
         return self._meet_targets(entries, fleet, now) + self._move_off_draining(entries, fleet, now)
+
+    def _settling(self, now: float) -> bool:
+        """Still waiting, after a start, for agents to come back and say what they run."""
+        if self._started_at is None or now - self._started_at >= self.settle:
+            return False
+        if self.expected_nodes and self.expected_nodes <= self._back:
+            log.info("every expected node has registered; placing without waiting out the settle time")
+            self._started_at = None
+            return False
+        return True
 
     def _release_stopping(self, r: Replica, nodes: dict[str, Node], now: float) -> None:
         """Forget a stopping replica once its nodes confirmed, were lost, or never answered."""
@@ -896,7 +923,7 @@ class Reconciler:
         for nid in sorted(nodes, key=natural_key):
             mark = self.marks.get(nid)
             out.append(
-                node_view(
+                self._view_cache.view(
                     nodes[nid],
                     cordoned=mark is NodeMark.CORDONED,
                     draining=mark is NodeMark.DRAINING,
@@ -904,6 +931,7 @@ class Reconciler:
                     fabric_facts=facts.get(nid),
                 )
             )
+        self._view_cache.forget_except(nodes)
         return out
 
     def request_for(self, entry: CatalogEntry, profile: ProfileConfig) -> PlacementRequest:
@@ -923,7 +951,7 @@ class Reconciler:
         every profile's refusal."""
         refusals: list[str] = []
         for profile in entry.model.profiles:
-            res = place(self.request_for(entry, profile), fleet.get().views)
+            res = fleet.get().place(self.request_for(entry, profile))
             if isinstance(res, Placement):
                 fleet.get().claim(res, profile.min_memory_gb)
                 return _StartPlan(entry, profile, res)
