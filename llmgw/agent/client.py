@@ -48,6 +48,13 @@ def next_delay(previous: float, base: float, cap: float) -> tuple[float, float]:
     return max(base / 10, random.uniform(0, ceiling)), ceiling
 
 
+async def _wait_or_stop(stop: asyncio.Event, delay: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), delay)
+    except TimeoutError:
+        pass
+
+
 class ControlPlaneLink:
     def __init__(self, cfg: AgentConfig, session: Session, heartbeat: float = 20.0) -> None:
         self.addresses = cfg.addresses()
@@ -73,14 +80,14 @@ class ControlPlaneLink:
                 if stop.is_set():
                     return
                 if served:
+                    # A restarted control plane loses every agent at the same moment: a
+                    # jittered first redial spreads their handshakes over reconnect_base.
                     ceiling = 0.0
+                    await _wait_or_stop(stop, random.uniform(0, self._base))
                     continue
                 delay, ceiling = next_delay(ceiling, self._base, self._cap)
                 log.info("no control plane answered; trying again in %.1fs", delay)
-                try:
-                    await asyncio.wait_for(stop.wait(), delay)
-                except TimeoutError:
-                    pass
+                await _wait_or_stop(stop, delay)
 
     async def _attempt(self, http: aiohttp.ClientSession, addr: str, stop: asyncio.Event) -> bool:
         """One connection; True when a session was established and lasted (whatever ended it)."""

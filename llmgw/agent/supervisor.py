@@ -691,6 +691,7 @@ class Supervisor:
         stop_timeout: float = 60.0,
         rendezvous_timeout: float = 600.0,
         health_interval: float = 2.0,
+        health_first: float = 0.05,
         http_timeout: float = 5.0,
         poll_interval: float = 0.5,
         log_interval: float = 0.25,
@@ -714,6 +715,7 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.rendezvous_timeout = rendezvous_timeout
         self.health_interval = health_interval
+        self.health_first = health_first
         self.http_timeout = http_timeout
         self.poll_interval = poll_interval
         self.log_interval = log_interval
@@ -1088,6 +1090,9 @@ class Supervisor:
             await asyncio.sleep(0 if sh.adopted else self.worker_settle)
             self._set(sh, ShardState.READY, "worker alive")
             return
+        # A small model is ready within a fraction of a second, a large one after minutes: ask
+        # often at first and back off to health_interval, so readiness is learnt when it happens.
+        wait = min(self.health_first, self.health_interval)
         while True:
             state, detail = await self._probe(sh)
             if state is ShardState.STARTING and sh.state is ShardState.LOADING:
@@ -1095,7 +1100,8 @@ class Supervisor:
             self._set(sh, state, detail)
             if state is ShardState.READY:
                 return
-            await asyncio.sleep(self.health_interval)
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, self.health_interval)
 
     async def _probe(self, sh: _Shard) -> tuple[ShardState, str]:
         base = sh.spec.base_url

@@ -90,3 +90,39 @@ def test_jittered_backoff_grows_to_the_cap():
         delay, ceiling = next_delay(ceiling, 1.0, 30.0)
         assert 0.1 <= delay <= ceiling <= 30.0
     assert ceiling == 30.0
+
+
+async def test_after_a_lasting_session_ends_the_first_redial_waits_a_jittered_moment(monkeypatch):
+    # A restarted control plane drops every agent at once; without a jittered first
+    # redial they would all handshake again in the same instant.
+    import llmgw.agent.client as client
+
+    async def leader(request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.close()  # the control plane goes away
+        return ws
+
+    runner, addr = await _serve(leader)
+    cfg = parse_agent_config({"servers": [addr], "tls": None, "reconnect_base": "2s"})
+    monkeypatch.setattr(client, "_HEALTHY_SESSION", 0.0)
+
+    def no_backoff(*a):
+        raise AssertionError("a session that lasted is not a failure to back off from")
+
+    monkeypatch.setattr(client, "next_delay", no_backoff)
+    waits = []
+    monkeypatch.setattr(client.random, "uniform", lambda lo, hi: waits.append((lo, hi)) or 0.0)
+    sessions = []
+    stop = asyncio.Event()
+
+    async def session(ws, a):
+        sessions.append(a)
+        await ws.receive()
+        if len(sessions) == 2:
+            stop.set()
+
+    await asyncio.wait_for(ControlPlaneLink(cfg, session).run(stop), 10)
+    assert len(sessions) == 2
+    assert waits == [(0, 2.0)]  # one jittered wait, within reconnect_base, between the two
+    await runner.cleanup()

@@ -181,8 +181,8 @@ def test_a_node_that_reports_nothing_new_is_given_to_the_registry_again_only_aft
     node = ib_node("node-a")
     svc, agents, clock = service(node)
     calls = []
-    real = svc.registry.update
-    svc.registry.update = lambda r, now: (calls.append(now), real(r, now))[1]  # type: ignore[method-assign]
+    real = svc.registry.ingest
+    svc.registry.ingest = lambda r, now: (calls.append(now), real(r, now))[1]  # type: ignore[method-assign]
     # Counters move on every heartbeat; they are not what the registry reads.
     node.ib_ports = [p.model_copy(update={"counters": {"port_xmit_data": 10}}) for p in node.inventory.ib_ports]
     agents.put(node)

@@ -371,6 +371,11 @@ class FabricRegistry:
     ``update`` on each node's report; ``fabrics``, ``problems`` and ``metrics``
     read it, as of the last update's time unless given another. ``remove``
     forgets a node. Not thread-safe: the caller holds its own lock.
+
+    Deriving the fabrics reads every node, so a fleet registering at once must
+    not derive them once per node: ``ingest`` takes a report without deriving,
+    and ``settle`` (which every read does first) derives once for all the
+    reports taken since. The derived view is kept until a report or a removal.
     """
 
     def __init__(self) -> None:
@@ -382,10 +387,17 @@ class FabricRegistry:
         self._masters: dict[str, tuple[str, float]] = {}
         self._changes: list[MasterChange] = []
         self._now: float | None = None
+        self._cached: _View | None = None  # the view of the reports as they are; None once one changed
+        self._unsettled = False  # reports taken that the masters' history has not seen yet
 
     # -- input
 
     def update(self, report: NodeFabricReport, now: float) -> None:
+        self.ingest(report, now)
+        self.settle()
+
+    def ingest(self, report: NodeFabricReport, now: float) -> None:
+        """Take a node's report; the fabrics are derived again at the next ``settle`` or read."""
         if not report.node or not report.node.strip():
             raise FabricIdentityError("a fabric report names no node; it cannot be told apart from the others")
         if not math.isfinite(now):
@@ -397,7 +409,18 @@ class FabricRegistry:
             for p in node.active_ib():
                 if p.guids:
                     self._together[p.guids] = now
+        self._cached = None
+        self._unsettled = True
+
+    def settle(self) -> None:
+        """Derive the fabrics once for every report taken since the last time, and follow
+        each fabric's master: a change is dated by the latest report (``ingest``'s now)."""
+        if not self._unsettled or self._now is None:
+            return
+        self._unsettled = False
+        now = self._now
         self._prune(now)
+        self._cached = None
         view = self._view()
         for fid, guid in view.agreed.items():
             prev = self._masters.get(fid)
@@ -412,7 +435,8 @@ class FabricRegistry:
     def remove(self, node: str) -> None:
         """Forget a node (removed from the fleet, or gone). What it told about a
         fabric's managers and master changes stays, as the fabric's history."""
-        self._nodes.pop(node, None)
+        if self._nodes.pop(node, None) is not None:
+            self._cached = None
 
     def _prune(self, now: float) -> None:
         cutoff = now - HISTORY_S
@@ -424,10 +448,12 @@ class FabricRegistry:
 
     def master_changes(self, now: float | None = None) -> list[MasterChange]:
         """Every fabric's master changes of the last day, oldest first."""
+        self.settle()
         cutoff = self._when(now) - HISTORY_S
         return [c for c in self._changes if c.at >= cutoff]
 
     def fabrics(self, now: float | None = None) -> list[PhysicalFabric]:
+        self.settle()
         return self._with_history(self._view(), now)
 
     def _with_history(self, view: _View, now: float | None) -> list[PhysicalFabric]:
@@ -436,9 +462,11 @@ class FabricRegistry:
 
     def fabric_of(self, node: str, hca: str, port: int) -> str | None:
         """The physical fabric a port is on; None when it is on none known."""
+        self.settle()
         return self._view().port_fabric.get((node, hca, port))
 
     def problems(self, now: float | None = None) -> list[Problem]:
+        self.settle()
         when = self._when(now)
         view = self._view()
         out: list[Problem] = []
@@ -487,6 +515,11 @@ class FabricRegistry:
     # -- derivation
 
     def _view(self) -> _View:
+        if self._cached is None:
+            self._cached = self._derive()
+        return self._cached
+
+    def _derive(self) -> _View:
         nodes = sorted(self._nodes.values(), key=lambda n: n.name)
         groups = _Groups()
         for guids in self._together:

@@ -67,6 +67,10 @@ SCAN_TIMEOUT_S = 150.0
 # remembers of a quiet fabric (its master, its SMs seen together) stays within
 # the registry's day of history. Not more often: each update reads every node.
 REPORT_REFRESH_S = 600.0
+# Reports are given to the registry as they come, but its fabrics (a walk over every
+# node) are derived at most this often: a fleet registering at once costs a derivation
+# per second, not one per node. Reads derive at once, so they never see this delay.
+SETTLE_SPACING_S = 1.0
 
 DEFAULT_TEST_SECONDS = 3
 MAX_TEST_SECONDS = 30
@@ -150,6 +154,8 @@ class FabricService:
         self._testing: set[str] = set()  # nodes in a fabric test now
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._settle_handle: asyncio.Handle | None = None
+        self._settled_at = float("-inf")  # the event loop's clock
         agents.on_report(self.report)
 
     # -- feeding the registry ---------------------------------------------------
@@ -159,8 +165,9 @@ class FabricService:
 
         Called on every heartbeat of every node, so what is compared is read off the
         record directly (ports' states and rates, not their counters; the SM read's
-        text only when a new read came), and the registry, whose update reads every
-        node, is given a report only when it changed."""
+        text only when a new read came), and the registry, whose derivation reads every
+        node, is given a report only when it changed, and derives at most once per
+        SETTLE_SPACING_S for all the reports given since."""
         nid = node.node_id
         key = self._key(node)
         if key is None:
@@ -169,9 +176,27 @@ class FabricService:
         last = self._last_report.get(nid)
         if last is not None and last[0] == key and now - last[1] < REPORT_REFRESH_S:
             return
-        self.registry.update(report_of(node), now)
+        self.registry.ingest(report_of(node), now)
         self._last_report[nid] = (key, now)
-        ib = {f.id for f in self.registry.fabrics(now) if f.kind == INFINIBAND}
+        self._settle_soon()
+
+    def _settle_soon(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._settle()  # called outside the event loop: nothing would run it later
+            return
+        if self._settle_handle is None:
+            wait = self._settled_at + SETTLE_SPACING_S - loop.time()
+            self._settle_handle = loop.call_later(max(wait, 0.0), self._settle)
+
+    def _settle(self) -> None:
+        self._settle_handle = None
+        try:
+            self._settled_at = asyncio.get_running_loop().time()
+        except RuntimeError:
+            pass
+        ib = {f.id for f in self.registry.fabrics() if f.kind == INFINIBAND}
         if ib - self._known_ib:
             self._wake.set()  # a fabric seen for the first time is mapped now, not in five minutes
         self._known_ib = ib
@@ -345,6 +370,9 @@ class FabricService:
             self._task = asyncio.create_task(self._scan_loop(), name="fabric scans")
 
     async def close(self) -> None:
+        if self._settle_handle is not None:
+            self._settle_handle.cancel()
+            self._settle_handle = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
