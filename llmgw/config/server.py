@@ -701,6 +701,13 @@ class ControlConfig(_Block):
         default=15.0, description="A node with no message for this long is unreachable."
     )
     lost_after: Duration = Field(default=60.0, description="A node with no message for this long is lost.")
+    expected_nodes: list[str] = Field(
+        default_factory=list,
+        description="The node ids of every agent of this control plane, when they are known. After a start it "
+        "places nothing for unreachable_after, so agents that run replicas come back before anything is placed "
+        "twice; once each node listed here has registered it places at once. Empty: it always waits. A node "
+        "left out of the list may find its replicas placed again elsewhere.",
+    )
     interval: Duration = Field(
         default=5.0, description="How often the reconciler compares what runs with what should run."
     )
@@ -730,6 +737,16 @@ class ControlConfig(_Block):
     @classmethod
     def _ports(cls, v: str) -> str:
         port_range(v)
+        return v
+
+    @field_validator("expected_nodes")
+    @classmethod
+    def _expected_nodes(cls, v: list[str]) -> list[str]:
+        for i, node_id in enumerate(v):
+            if not node_id.strip():
+                raise ValueError(f"entry {i} is empty: give each node's id (its agent's node_id)")
+            if node_id in v[:i]:
+                raise ValueError(f"{node_id!r} is listed twice: give each node once")
         return v
 
     @property

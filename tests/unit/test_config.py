@@ -50,6 +50,13 @@ def test_wrong_type_refused():
     assert "auth.enabled:" in msg
 
 
+def test_expected_nodes_listed_twice_or_empty_are_refused():
+    assert parse_server_config({"control": {"expected_nodes": ["a", "b"]}}).control.expected_nodes == ["a", "b"]
+    assert "control.expected_nodes" in _err({"control": {"expected_nodes": ["a", "a"]}})
+    assert "listed twice" in _err({"control": {"expected_nodes": ["a", "a"]}})
+    assert "is empty" in _err({"control": {"expected_nodes": [" "]}})
+
+
 def test_unknown_engine_refused():
     msg = _err({"models": [{"name": "a", "endpoints": [{"url": "http://x:1", "engine": "ollama"}]}]})
     assert "models[0].endpoints[0].engine:" in msg and "llamacpp" in msg

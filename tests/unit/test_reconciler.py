@@ -586,6 +586,48 @@ async def test_after_a_start_nothing_is_placed_until_agents_had_time_to_reconnec
     assert len(fleet.starts()) == 1
 
 
+async def test_after_a_start_it_places_at_once_when_every_expected_node_has_registered(clock):
+    fleet = Fleet()
+    rec = make(fleet, [model("m")], clock, unreachable_after="15s", lost_after="60s", expected_nodes=["n1", "n2"])
+    await rec.start()
+    await rec.stop()
+    fleet.add("n1")
+    await rec.tick()
+    assert not fleet.starts()  # n2 may still come back running a replica of m
+    clock.now += 1
+    fleet.add("n2")
+    await rec.tick()
+    assert len(fleet.starts()) == 1
+
+
+async def test_after_a_start_with_an_expected_node_missing_it_waits_out_the_settle_time(clock):
+    fleet = Fleet()
+    rec = make(fleet, [model("m")], clock, unreachable_after="15s", lost_after="60s", expected_nodes=["n1", "n2"])
+    await rec.start()
+    await rec.stop()
+    fleet.add("n1")
+    fleet.add("other")  # a node not listed does not stand in for a listed one
+    clock.now += 14.9
+    await rec.tick()
+    assert not fleet.starts()
+    clock.now += 0.1
+    await rec.tick()
+    assert len(fleet.starts()) == 1
+
+
+async def test_a_node_registered_before_a_new_leadership_does_not_count_as_back(clock):
+    fleet = Fleet()
+    rec = make(fleet, [model("m")], clock, unreachable_after="15s", lost_after="60s", expected_nodes=["n1"])
+    fleet.add("n1")  # registered with an earlier term; its stream is closed when this one steps down
+    await rec.start()
+    await rec.stop()
+    await rec.tick()
+    assert not fleet.starts()
+    fleet.add("n1")
+    await rec.tick()
+    assert len(fleet.starts()) == 1
+
+
 async def test_a_multi_node_replica_starts_its_leader_first_on_one_fabric(clock):
     fleet = Fleet()
     fleet.add("g-1", gpus=8, fabrics=[FabricAttachment(fabric="ib-a", hcas=["mlx5_0", "mlx5_1"])])

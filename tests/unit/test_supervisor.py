@@ -53,6 +53,7 @@ p.add_argument("--started-file", default=None)
 p.add_argument("--busy", action="store_true")
 p.add_argument("--spam", type=int, default=0)
 p.add_argument("--say", default=None)
+p.add_argument("--hits", default=None)
 a = p.parse_args()
 
 if a.ignore_term:
@@ -101,6 +102,9 @@ class H(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
     def do_GET(self):
         loading = time.monotonic() < ready_at
+        if a.hits:
+            with open(a.hits, "a") as f:
+                f.write(f"{self.path} {'loading' if loading else 'ready'}\n")
         if self.path == "/health":
             self._send(503 if loading else 200, {"status": "loading" if loading else "ok"})
         elif self.path == "/v1/models":
@@ -184,6 +188,18 @@ def record(state_dir: Path, shard_id: str) -> dict:
 
 
 # ------------------------------------------------------------------ states
+
+
+async def test_a_starting_engine_is_known_ready_soon_after_it_is_not_a_health_interval_later(
+    make_sup, engine_py, tmp_path
+):
+    # Ten minutes between checks: were they that far apart from the start, READY would not come in the wait.
+    sup = make_sup(health_interval=600.0)
+    hits = tmp_path / "hits"
+    await sup.start(leader(engine_py, "s1", None, "--delay", "0.3", "--load", "0.5", "--hits", str(hits)))
+    st = await sup.wait("s1", ShardState.READY, timeout=20)
+    assert st.state is ShardState.READY, st
+    assert hits.read_text().splitlines()[-2:] == ["/health ready", "/v1/models ready"]
 
 
 async def test_a_leader_goes_through_every_state_to_ready(make_sup, engine_py, state_dir):
