@@ -1091,7 +1091,8 @@ class Supervisor:
             self._set(sh, ShardState.READY, "worker alive")
             return
         # A small model is ready within a fraction of a second, a large one after minutes: ask
-        # often at first and back off to health_interval, so readiness is learnt when it happens.
+        # often at first and back off (a quarter longer each time) to health_interval: readiness
+        # is learnt within a quarter of the time the engine took, and a long load costs few probes.
         wait = min(self.health_first, self.health_interval)
         while True:
             state, detail = await self._probe(sh)
@@ -1101,7 +1102,7 @@ class Supervisor:
             if state is ShardState.READY:
                 return
             await asyncio.sleep(wait)
-            wait = min(wait * 2, self.health_interval)
+            wait = min(wait * 1.25, self.health_interval)
 
     async def _probe(self, sh: _Shard) -> tuple[ShardState, str]:
         base = sh.spec.base_url

@@ -106,8 +106,8 @@ class SupervisorConfig(_Block):
     health_interval: Duration = Field(
         default=2.0,
         description="The longest wait between health checks of a starting engine: they begin 50ms apart and "
-        "double up to this, so an engine that loads in a moment is known ready in a moment. A ready engine is "
-        "watched by the gateway's own checks.",
+        "grow by a quarter each time up to this, so an engine that loads in a moment is known ready in a "
+        "moment. A ready engine is watched by the gateway's own checks.",
     )
     rendezvous_timeout: Duration = Field(default=600.0, description="How long a worker waits for its leader's port.")
     stop_engines_on_exit: bool = Field(
@@ -147,7 +147,10 @@ class AgentConfig(_Block):
         description="How often the subnet managers behind the node's ACTIVE InfiniBand ports are read "
         "(sminfo, saquery) and reported with the next heartbeat.",
     )
-    reconnect_base: Duration = Field(default=1.0, description="First wait before reconnecting (jittered); also the most a lost session waits before its first redial.")
+    reconnect_base: Duration = Field(
+        default=1.0,
+        description="First wait before reconnecting (jittered); also the most a lost session waits before its first redial.",
+    )
     reconnect_max: Duration = Field(default=30.0, description="Longest wait before reconnecting.")
     release_base: str | None = Field(
         default=None,

@@ -103,11 +103,13 @@ def write_server_config(
         "metrics_listen": None,
         "agent_listen": f"127.0.0.1:{agent_port}",
         "agent_tls": {"ca": str(pki.ca), "cert": str(pki.server), "key": str(pki.server_key)},
-        # One node on loopback, heartbeating every 2s: react within a second, and do not wait the
-        # fleet's 15s for other agents to come back before placing (the settle time is unreachable_after).
+        # One node on loopback, heartbeating every 2s: react within a second. The one agent is known,
+        # so the control plane places as soon as it has registered rather than waiting out the settle
+        # time (unreachable_after) for others to come back.
         "control": {
             "enabled": True,
             "interval": "1s",
+            "expected_nodes": [pki.node_id],
             "unreachable_after": "5s",
             "lost_after": "20s",
             "base_backoff": "5s",
@@ -148,8 +150,9 @@ def write_agent_config(workdir: Path, pki: Pki, agent_port: int) -> Path:
         "weights_cache": str(workdir / "weights"),
         "engines_dir": str(workdir / "engines"),
         "heartbeat_interval": "2s",
-        "reconnect_base": "300ms",
-        "reconnect_max": "2s",
+        # Started beside the control plane, it may dial before it listens: try again soon (loopback, one agent).
+        "reconnect_base": "100ms",
+        "reconnect_max": "1s",
         "supervisor": {"work_dir": str(workdir / "agent"), "stop_timeout": "15s", "stop_engines_on_exit": True},
     }
     return _write_yaml(workdir / "agent.yaml", cfg)

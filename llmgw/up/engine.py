@@ -31,7 +31,11 @@ class LocalRelease:
 
     def __init__(self, binary: Path, tag: str = DEFAULT_LLAMACPP) -> None:
         self.tag = tag
-        self.archive = pack_llama_server(binary, tag)
+        self.binary = binary
+        # Packed when first asked for: compressing the binary takes seconds, and an agent that
+        # installed this release on an earlier run never asks.
+        self._archive: bytes | None = None
+        self._packing = threading.Lock()
         empty = io.BytesIO()
         with tarfile.open(fileobj=empty, mode="w:gz") as tf:
             note = b"llmgw up: the given llama-server needs nothing more\n"
@@ -40,6 +44,13 @@ class LocalRelease:
             tf.addfile(info, io.BytesIO(note))
         self.extra = empty.getvalue()
         self._srv: ThreadingHTTPServer | None = None
+
+    @property
+    def archive(self) -> bytes:
+        with self._packing:
+            if self._archive is None:
+                self._archive = pack_llama_server(self.binary, self.tag)
+            return self._archive
 
     def body(self, path: str) -> bytes | None:
         parts = path.split("?", 1)[0].strip("/").split("/")

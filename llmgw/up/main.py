@@ -10,11 +10,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
+from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmgw.config import load_server_config
 from llmgw.runtime import run_until_stopped, setup_logging
-from llmgw.server.app import Server, serve_until_stopped
 from llmgw.up import UpError
 from llmgw.up.config import check_port, default_dir, free_port, mirror_ports, write_agent_config, write_server_config
 from llmgw.up.engine import LocalRelease, check_llama_server
@@ -22,6 +23,9 @@ from llmgw.up.model import STARTER_FILE, OnBytes, mirrored_model, own_model
 from llmgw.up.pki import ensure_pki
 from llmgw.up.processes import AgentProcess, Child, MirrorProcess, kill_leftovers
 from llmgw.up.watch import engine_pids, wait_until_served
+
+if TYPE_CHECKING:
+    from llmgw.server.app import Server
 
 log = logging.getLogger("llmgw.up")
 
@@ -57,16 +61,26 @@ def run(opts: Options, say: Say, show: Say, fetching: Callable[[str], AbstractCo
     release = None
     release_url = opts.release_url
     mirror = MirrorProcess(wd / "mirror", wd / "mirror.log", *mirror_ports(wd))
+    agent: AgentProcess | None = None
     try:
         check_port(opts.host, opts.port, "the API")
         check_port("127.0.0.1", opts.admin_port, "the admin API")
         binary = check_llama_server(opts.llama_server) if opts.llama_server else None
         own = own_model(opts.model, opts.name) if opts.model else None
-        # The mirror starts while the certificates are looked at: both take a moment.
+        # The mirror starts while the certificates are looked at and the control plane's code is
+        # loaded (a second or more): each process takes a moment, and they overlap.
         mirror.start()
         say(f"starting the model mirror on {mirror.base} (its files: {mirror.root}, its log: {mirror.log_path})")
         pki, made = ensure_pki(wd)
         say(f"certificates in {pki.dir}: " + (f"made the {', '.join(made)}" if made else "reused"))
+        agent_port = free_port()
+        agent = AgentProcess(write_agent_config(wd, pki, agent_port), wd / "agent.log")
+        if own is not None or opts.offline:
+            # No download stands before the control plane: the agent goes through its own start-up
+            # now, beside the mirror's and this process's, and dials as the control plane listens.
+            # (Before a download it would only redial, filling its log, until the download ends.)
+            agent.start()
+        import_module("llmgw.server.app")
         mirror.wait_ready()
         if own is not None:
             choice = own
@@ -78,7 +92,6 @@ def run(opts: Options, say: Say, show: Say, fetching: Callable[[str], AbstractCo
             release = LocalRelease(binary)
             release_url = release.start()
             say(f"the agent installs {binary} (offered as llama.cpp {release.tag} on {release_url})")
-        agent_port = free_port()
         config_path = write_server_config(
             wd,
             choice,
@@ -93,7 +106,8 @@ def run(opts: Options, say: Say, show: Say, fetching: Callable[[str], AbstractCo
             mirror_api=mirror.api,
             mirror_token_file=mirror.token_file,
         )
-        agent = AgentProcess(write_agent_config(wd, pki, agent_port), wd / "agent.log")
+        if agent.pid is None:
+            agent.start()
         base = f"http://{'127.0.0.1' if opts.host in ('0.0.0.0', '') else opts.host}:{opts.port}"
         say(f"starting the control plane and the local agent (its log: {agent.log_path}); serving {choice.file} …")
 
@@ -115,6 +129,8 @@ def run(opts: Options, say: Say, show: Say, fetching: Callable[[str], AbstractCo
     except KeyboardInterrupt:
         say("stopped.")
     finally:
+        if agent is not None:
+            agent.stop()  # when the control plane never started; stopped already otherwise
         if release is not None:
             release.stop()
         mirror.stop(timeout=10.0)
@@ -130,18 +146,20 @@ async def run_system(
     stop: asyncio.Event,
     mirror: Child | None = None,
 ) -> None:
-    """The control plane and gateway in this process, the agent beside it; serve until ``stop`` is set.
+    """The control plane and gateway in this process, beside the agent (started by the caller, which
+    also stops it should this never run); serve until ``stop`` is set.
 
     Stops in order: the agent first (it stops its engines), then any engine
     still running (the last guard), then the control plane. The mirror, started
     before, is watched here and stopped by the caller.
     """
 
+    from llmgw.server.app import serve_until_stopped
+
     async def alongside(server: Server) -> None:
         # Cancelled by the server when `stop` is set; its `finally` stops the agent before the server stops.
         pids: set[int] = set()
         try:
-            agent.start()
             await wait_until_served(server, model, agent, status, pids)
             assert server.store is not None and server.keys is not None
             secret, _ = await server.store.create_key(key_name)

@@ -81,7 +81,7 @@ async def wait_until_served(
     agent: AgentProcess,
     status: Callable[[str], None],
     seen_pids: set[int],
-    interval: float = 0.25,
+    interval: float = 0.1,
 ) -> None:
     """Until the gateway has a healthy endpoint for ``model``; UpError with the reason when it cannot get one."""
     last = None
