@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import itertools
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw.protocol import GPU, NIC_PATH_ORDER, GPUUsage, ProvisionState
@@ -1079,20 +1079,18 @@ class Fleet:
         ]
         if held:
             return views[min(held)[1]]
-        pool = self._pool(r)
-        keys = pool.keys
-        # Fewer free GPUs in all than tp: none of the class can be enough.
-        start = bisect.bisect_left(keys, (r.tp,)) if r.gpu_class else 0
-        for k in itertools.islice(keys, start, None):
-            if _fits(v := views[k[-1]], r):
-                return v
-        return None
+        return next((v for i in self._in_pool(r) if _fits(v := views[i], r)), None)
 
     def _candidates(self, r: PlacementRequest) -> list[int]:
         """Positions of every node that fits."""
+        return [i for i in self._in_pool(r) if _fits(self.views[i], r)]
+
+    def _in_pool(self, r: PlacementRequest) -> Iterator[int]:
+        """Positions of the pool's nodes in rank order, from the first that could be enough."""
         keys = self._pool(r).keys
+        # Fewer free GPUs in all than tp: none of the class can be enough.
         start = bisect.bisect_left(keys, (r.tp,)) if r.gpu_class else 0
-        return [k[-1] for k in itertools.islice(keys, start, None) if _fits(self.views[k[-1]], r)]
+        return (k[-1] for k in itertools.islice(keys, start, None))
 
     # -- refusals ------------------------------------------------------------------
 
