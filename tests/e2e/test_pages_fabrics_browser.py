@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from browsing import NARROW, PASSWORD, WIDE, fits, shot_dir, sign_in
+from harness import wait_until
 
 from llmgw.config.server import parse_server_config
 from llmgw.protocol import IMEX
@@ -175,19 +176,16 @@ def test_the_fabric_map_and_the_nvlink_rack_render_and_respond_in_chromium(brows
     # A refresh swaps the map in place and what was chosen here stays: the zoom, the node, the colours.
     page.click("[data-zoom=in]")
     before = view_box(page)
-    before_attr = page.get_attribute("#fabric-svg", "viewBox")
     with page.expect_response(
         lambda r: "/admin/fabrics" in r.url and r.request.headers.get("hx-request") == "true", timeout=20_000
     ) as swapped:
         page.evaluate("htmx.trigger(document.getElementById('fabrics'), 'refresh')")
     assert swapped.value.status == 200
-    page.wait_for_function("document.querySelectorAll('#fabric-svg .ad.found').length === 4")
-    # The zoom is put back once the swap settles (htmx:afterSettle), a moment after the new map is in.
-    page.wait_for_function(
-        "(want) => document.querySelector('#fabric-svg').getAttribute('viewBox') === want",
-        arg=before_attr,
-        timeout=10_000,
-    )
+    # Polled from here: the page's CSP forbids the eval behind a string wait_for_function. The
+    # zoom is put back once the swap settles (htmx:afterSettle), a moment after the new map is in.
+    found = "document.querySelectorAll('#fabric-svg .ad.found').length === 4"
+    wait_until(lambda: page.evaluate(found), 10, "the found adapters to be marked again")
+    wait_until(lambda: view_box(page) == before, 10, "the zoom to be put back after the refresh")
     assert view_box(page) == before and "by-rail" in page.get_attribute("#fabric-svg", "class")
     assert page.input_value("#fabric-find input[name=find]") == "gpu-c"
     assert page.evaluate("window.llmgwSamePage === true")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 from browsing import ADMIN, NARROW, PASSWORD, cli, fits, shot_dir, sign_in
-from harness import Gateway
+from harness import Gateway, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
+# Polled from here: the page's CSP forbids the eval behind a string wait_for_function.
 BOTH_OPEN = "document.querySelectorAll('details.admin-project[open]').length === 2"
 
 
@@ -44,7 +45,7 @@ def test_people_actions_swap_in_place_keeping_open_projects_open_and_show_a_refu
         page.wait_for_selector("p.done:has-text('Took them out of Acme/platform/gateway')")
         assert page.evaluate("window.notReloaded === true")  # swapped, not loaded again
         # Reopened once htmx settles the swap, a moment after the new part is in.
-        page.wait_for_function(BOTH_OPEN)  # both projects still open
+        wait_until(lambda: page.evaluate(BOTH_OPEN), 10, "both projects to be open again")
         assert "gail@example.com" not in gateway.inner_text()
         assert "fred@example.com" in page.inner_text("details.admin-project:has(> summary:has-text('fleet'))")
 
@@ -54,7 +55,7 @@ def test_people_actions_swap_in_place_keeping_open_projects_open_and_show_a_refu
         acme.locator("button:has-text('Remove Acme')").first.click()
         page.wait_for_selector("p.problem")
         assert page.evaluate("window.notReloaded === true")
-        page.wait_for_function(BOTH_OPEN)
+        wait_until(lambda: page.evaluate(BOTH_OPEN), 10, "both projects to be open again after the refusal")
         assert "Acme" in page.inner_text("p.problem")
         assert fits(page)
         page.screenshot(path=str(shot_dir(tmp_path) / "admin-people-in-place.png"), full_page=True)
