@@ -23,12 +23,25 @@ def server(
     ctx: typer.Context,
     config: str = typer.Option(DEFAULT_CONFIG_PATH, "--config", "-c", help="Path of server.yaml."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    worker: str = typer.Option(None, "--worker", hidden=True, help="SLOT:FD:N, given by `llmgw server` itself."),
 ) -> None:
     """Run the gateway: the OpenAI-compatible API on `listen`, the admin API and metrics on `admin_listen`, metrics on `metrics_listen`."""
     if ctx.invoked_subcommand is not None:
         return
     from llmgw.runtime import run_until_stopped, setup_logging
     from llmgw.server.app import StartError, serve_until_stopped
+
+    if worker is not None:
+        # One of the server's workers (server/workers.py): its configuration comes from the server process.
+        from llmgw.server.workers import WorkerError, parse_worker_arg, serve_worker
+
+        setup_logging(log_level)
+        try:
+            slot, fd, count = parse_worker_arg(worker)
+            run_until_stopped(partial(serve_worker, slot, fd, count))
+        except (StartError, WorkerError) as exc:
+            fail(str(exc))
+        return
 
     cfg = load_config_or_fail(config)
     setup_logging(log_level)

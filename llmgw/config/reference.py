@@ -38,9 +38,10 @@ def _type_name(annotation: Any, info: FieldInfo) -> str:
     meta = " ".join(type(m).__name__ for m in info.metadata)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        every = typing.get_args(annotation)
+        args = [a for a in every if a is not type(None)]
         inner = " or ".join(_type_name(a, FieldInfo()) for a in args)
-        return f"{inner} or null"
+        return f"{inner} or null" if len(args) < len(every) else inner
     if origin is typing.Annotated:
         return _type_name(typing.get_args(annotation)[0], info)
     if origin is list:

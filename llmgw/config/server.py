@@ -852,10 +852,35 @@ class MonitoringConfig(_Block):
         return v
 
 
+MAX_AUTO_WORKERS = 8  # beyond this the store's rounds, not the cores, are what a worker more costs
+MAX_WORKERS = 64
+
+
+def resolve_workers(setting: int | str, cores: int | None = None, shared_limits: bool | None = None) -> int:
+    """How many serving processes `workers` stands for on this machine; auto is one where limits
+    are not to be shared (auth.shared_limits: false), since workers hold them through the store."""
+    if setting != "auto":
+        return int(setting)
+    if shared_limits is False:
+        return 1
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_AUTO_WORKERS))
+
+
 class ServerConfig(_Block):
     """server.yaml."""
 
     listen: Listen = Field(default=parse_listen(":8080"), description="Client API (OpenAI-compatible).")
+    workers: int | Literal["auto"] = Field(
+        default="auto",
+        description="Processes serving the client API on `listen` together (SO_REUSEPORT), limits and budgets "
+        "held across them (docs/gateway.md, Workers). auto: one per core this process may run on, at most "
+        f"{MAX_AUTO_WORKERS} (1 with auth.shared_limits: false); 1: the server process alone.",
+    )
     admin_listen: Listen = Field(
         default=parse_listen("127.0.0.1:9090"), description="Admin API and metrics; loopback by default."
     )
@@ -908,8 +933,23 @@ class ServerConfig(_Block):
             return DEFAULT_DATA_DIR
         return os.path.dirname(os.path.abspath(os.path.expanduser(store)))
 
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_WORKERS):
+            return v
+        raise ValueError(
+            f"{v!r} is not a number of workers: give a whole number from 1 to {MAX_WORKERS}, "
+            f"or auto (one per core, at most {MAX_AUTO_WORKERS})"
+        )
+
     @model_validator(mode="after")
     def _unique_names(self) -> ServerConfig:
+        if self.auth.shared_limits is False and isinstance(self.workers, int) and self.workers > 1:
+            raise ValueError(
+                f"workers is {self.workers} but auth.shared_limits is false: each worker would admit a key's "
+                "whole limit; drop auth.shared_limits (workers share limits through the store) or set workers: 1"
+            )
         seen: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for j, name in enumerate([m.name, *m.aliases]):

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from llmgw import __version__
-from llmgw.config.server import EndpointConfig, ServerConfig
+from llmgw.config.server import EndpointConfig, ServerConfig, resolve_workers
 from llmgw.config.types import ListenAddress
 from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError
@@ -42,7 +42,7 @@ from llmgw.server.gateway.errors import error_body, error_response
 from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.gateway.shared_limits import SharedLimits, shared_limits_for
 from llmgw.server.gateway.usage import JournalError, UsageRecorder
-from llmgw.server.gateway.usage_journal import JOURNAL_NAME, UsageJournal
+from llmgw.server.gateway.usage_journal import UsageJournal
 from llmgw.server.metrics import GatewayMetrics
 from llmgw.server.pages.admin_cluster import AdminPages
 from llmgw.server.pages.admin_limits import LimitsPages
@@ -51,9 +51,19 @@ from llmgw.server.pages.chat import ChatPage
 from llmgw.server.pages.claim import ClaimPage
 from llmgw.server.pages.profile import ProfilePage
 from llmgw.server.pages.site import Site
+from llmgw.server.workers import (
+    WorkerError,
+    WorkerLink,
+    WorkerPool,
+    forwarder,
+    install_forward_peer,
+    journal_path,
+    leftover_journals,
+)
 from llmgw.store import PublishedEndpoint, Store
 
 log = logging.getLogger("llmgw.server")
+LISTEN_BACKLOG = 4096  # connections the kernel queues before the server accepts them
 
 
 class StartError(LlmgwError):
@@ -68,10 +78,19 @@ def _endpoint_key(model: str, e: EndpointConfig) -> str | None:
 
 
 class Server:
-    """Every part of a running gateway, started and stopped in order."""
+    """Every part of a running gateway, started and stopped in order.
 
-    def __init__(self, config: ServerConfig) -> None:
+    ``workers``: how many processes serve the client listener (server.yaml's workers, resolved);
+    ``slot``: which one this is. Slot 0 is the server process with everything; a worker (slot 1
+    and up, llmgw/server/workers.py) serves the client API only, fed by slot 0 through ``link``."""
+
+    def __init__(self, config: ServerConfig, *, workers: int = 1, slot: int = 0) -> None:
         self.config = config
+        self.workers = workers
+        self.slot = slot
+        self.link: WorkerLink | None = None  # a worker's channel to the server process
+        self.pool: WorkerPool | None = None  # the server process's workers
+        self.forward_port = 0  # where workers forward pages to (loopback), with workers
         self.store: Store | None = None
         self.keys: KeyCache | None = None
         self.usage: UsageRecorder | None = None
@@ -89,10 +108,12 @@ class Server:
             )
             for m in config.models
             for e in m.endpoints
+            if slot == 0  # a worker serves the server process's endpoints, as it sends them
         ]
         self.endpoints = EndpointSet(
             eps, config.router.scrape_interval, config.router.metrics_stale_after, config.timeouts.connect
         )
+        self.endpoints.workers = workers
         # Engines run outside llmgw, by (model, url): those of models added at run time come and go.
         self._static = {(ep.model, ep.url): ep for ep in eps}
         self.gateway: Gateway | None = None
@@ -119,13 +140,15 @@ class Server:
         except Exception as exc:
             raise StartError(f"auth.store: {exc}") from exc
         try:
-            self.admin_token_file = await ensure_first_token(self.store, cfg)
+            if self.slot == 0:
+                self.admin_token_file = await ensure_first_token(self.store, cfg)
         except AccessError as exc:
             await self.store.close()
             self.store = None
             raise StartError(str(exc)) from None
         # Limits held across gateways on this store: its tally counts the usage rows written.
-        self.shared_limits = shared_limits_for(cfg.auth, self.store, self.metrics.registry)
+        # Workers are gateways on one store too: each holds its own share.
+        self.shared_limits = shared_limits_for(cfg.auth, self.store, self.metrics.registry, force=self.workers > 1)
         # Before anything serves or reads usage: rows an earlier run could not write, so the
         # budgets restored below count them.
         self.usage = UsageRecorder(
@@ -133,11 +156,13 @@ class Server:
             cfg.usage.flush_interval,
             cfg.usage.batch_size,
             cfg.usage.queue_limit,
-            journal=UsageJournal(Path(cfg.data_path) / JOURNAL_NAME),
+            journal=UsageJournal(journal_path(cfg.data_path, self.slot)),
             final_flush=cfg.usage.final_flush,
         )
         try:
             await self.usage.replay_journal()
+            if self.slot == 0:
+                await self._replay_leftover_journals()
         except JournalError as exc:
             await self.store.close()
             self.store = None
@@ -149,7 +174,7 @@ class Server:
                 self.mirror = MirrorClient(cfg.mirror)
             except MirrorUnavailable as exc:
                 raise StartError(str(exc)) from None
-        if cfg.control.enabled:
+        if cfg.control.enabled and self.slot == 0:
             self.catalog = Catalog(cfg.models, self.store)
             await self.catalog.load()
             for problem in self.catalog.problems:
@@ -166,13 +191,30 @@ class Server:
                 await self.shared_limits.start(self.gateway.accountant)
         if self.catalog is not None:
             self.models_changed()
+        if self.link is not None:
+            # What to serve, from the server process, before the first probe and the first request.
+            self.gateway.demand = self.link.demand
+            await self.link.first_state()
         await self.gateway.start()
         await self.endpoints.start()
         self.keys.start()
         self.usage.start()
         self.conversations.start()
+        if self.slot > 0:
+            try:
+                await self._listen(cfg.listen, "listen", self._worker_app(), reuse_port=True)
+            except StartError:
+                await self.stop()
+                raise
+            log.info("worker %d of %d serving %s", self.slot, self.workers, cfg.listen)
+            return
         try:
-            await self._listen(cfg.listen, "listen", self._client_app())
+            runner = await self._listen(cfg.listen, "listen", self._client_app(), reuse_port=self.workers > 1)
+            if self.workers > 1:
+                # Workers forward pages here; loopback, on a port the kernel picks.
+                forward = web.TCPSite(runner, "127.0.0.1", 0)
+                await forward.start()
+                self.forward_port = forward._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             await self._listen(cfg.admin_listen, "admin_listen", self._admin_app(), self._admin_tls())
             if cfg.metrics_listen is not None:
                 await self._listen(cfg.metrics_listen, "metrics_listen", self._metrics_app())
@@ -335,16 +377,46 @@ class Server:
                 self.endpoints.add(ep)
         if self.reconciler is not None:
             self.reconciler.wake()
+        if self.pool is not None:
+            self.pool.changed()
+
+    async def _replay_leftover_journals(self) -> None:
+        """Usage journals of worker slots this run does not have (workers was larger): written now."""
+        assert self.usage is not None
+        cfg = self.config
+        for path in leftover_journals(cfg.data_path, self.workers):
+            sink = self.shared_limits.tally if self.shared_limits is not None else self.store
+            assert sink is not None
+            rec = UsageRecorder(sink, cfg.usage.flush_interval, cfg.usage.batch_size, journal=UsageJournal(path))
+            await rec.replay_journal()
 
     async def _listen(
-        self, addr: ListenAddress, key: str, app: web.Application, ssl_context: ssl.SSLContext | None = None
-    ) -> None:
+        self,
+        addr: ListenAddress,
+        key: str,
+        app: web.Application,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        reuse_port: bool = False,
+    ) -> web.AppRunner:
         runner = Runner(app, error_body, handler_cancellation=True, shutdown_timeout=self.config.timeouts.drain)
         await runner.setup()
         self._runners.append(runner)
-        site = web.TCPSite(runner, addr.bind_host, addr.port, reuse_address=True, ssl_context=ssl_context)
+        site = web.TCPSite(
+            runner,
+            addr.bind_host,
+            addr.port,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            ssl_context=ssl_context,
+            # A control-plane restart has every agent dialling at once (and clients, a burst of
+            # connections): at the default 128 the kernel drops SYNs and each dropped dial waits
+            # out TCP's 1 s retry. The kernel caps this at net.core.somaxconn.
+            backlog=LISTEN_BACKLOG,
+        )
         try:
             await site.start()
+            return runner
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise StartError(
@@ -358,6 +430,21 @@ class Server:
             raise StartError(f"{key} {addr}: cannot listen: {exc.strerror or exc}") from None
 
     # -- applications -------------------------------------------------------
+
+    def _worker_app(self) -> web.Application:
+        """A worker's client listener: the API served here, everything else (pages, /ready)
+        answered by the server process."""
+        assert self.gateway is not None and self.link is not None
+        app = web.Application(
+            client_max_size=self.config.router.max_body_bytes, middlewares=[_server_timing, _json_errors]
+        )
+        self.gateway.add_routes(app)
+        app.router.add_get("/health", self._health)
+        forward = forwarder(self.link)
+        app.on_cleanup.append(forward.close)  # type: ignore[attr-defined]
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self.apps["listen"] = app
+        return app
 
     def _client_app(self) -> web.Application:
         assert self.gateway is not None
@@ -377,6 +464,8 @@ class Server:
         self.site.add_routes(app)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
+        if self.workers > 1:
+            install_forward_peer(app, lambda: self.pool.secret if self.pool is not None else None)
         self.apps["listen"] = app
         return app
 
@@ -569,9 +658,20 @@ async def _json_errors(
 async def serve_until_stopped(
     config: ServerConfig, stop: asyncio.Event, on_started: Callable[[Server], Coroutine[Any, Any, None]] | None = None
 ) -> None:
-    """Run until ``stop`` is set (llmgw.runtime sets it on SIGTERM or SIGINT), then drain and stop."""
-    server = Server(config)
+    """Run until ``stop`` is set (llmgw.runtime sets it on SIGTERM or SIGINT), then drain and stop;
+    with workers (server.yaml), their processes alongside (server/workers.py)."""
+    workers = resolve_workers(config.workers, shared_limits=config.auth.shared_limits)
+    server = Server(config, workers=workers)
     await server.start()
+    if workers > 1:
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        server.pool = WorkerPool(server, workers, ["server", "--log-level", level])
+        server.metrics.merged = server.pool.collector(server.metrics.registry)
+        try:
+            await server.pool.start()
+        except WorkerError as exc:
+            await asyncio.gather(server.pool.stop(5.0), server.stop())
+            raise StartError(str(exc)) from None
     # What exists now (imported modules, configuration) lives as long as the process:
     # moving it out of the collector's sight stops full collections from walking it,
     # which were 50-70 ms pauses every second under load.
@@ -592,4 +692,9 @@ async def serve_until_stopped(
         await stop.wait()
         log.info("stopping: finishing running requests (up to %gs)", config.timeouts.drain)
     finally:
-        await server.stop()
+        if server.pool is not None:
+            # Each worker drains and writes its usage as this process does, at the same time.
+            t = config.timeouts.drain + config.usage.final_flush + 10.0
+            await asyncio.gather(server.pool.stop(t), server.stop())
+        else:
+            await server.stop()

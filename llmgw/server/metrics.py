@@ -70,6 +70,7 @@ class GatewayMetrics:
         self._latency: dict[str, Callable[[float], None]] = {}
         self._ttft: dict[str, Callable[[float], None]] = {}
         self._tokens: dict[tuple[str, str], Callable[[float], None]] = {}
+        self.merged: Collector | None = None
 
     def count_request(self, model: str, route: str, status: int) -> None:
         key = (model, route, status)
@@ -112,7 +113,8 @@ class GatewayMetrics:
         self.registry.register(_AdmissionCollector(admission, models))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # With workers, the registry with every worker's counters added (server/workers.py).
+        return generate_latest(self.merged or self.registry)  # type: ignore[arg-type]
 
 
 class _StateCollector:

@@ -189,6 +189,8 @@ class Gateway(Proc):
         self.store = store or str(workdir / "llmgw.db")
         cfg = {
             "listen": f"127.0.0.1:{self.port}",
+            # One process unless a test asks for workers: the suite's time does not grow with the cores.
+            "workers": 1,
             "admin_listen": f"127.0.0.1:{self.admin_port}",
             "metrics_listen": None,
             "auth": {"enabled": True, "store": self.store},

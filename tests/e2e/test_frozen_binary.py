@@ -177,6 +177,8 @@ def test_server_keys_and_stop(frozen_llmgw: Path, tmp_path: Path) -> None:
                 "listen": f"127.0.0.1:{port}",
                 "admin_listen": f"127.0.0.1:{admin_port}",
                 "metrics_listen": None,
+                # A second serving process: the one-file build starts itself as the worker.
+                "workers": 2,
                 "auth": {"store": str(tmp_path / "llmgw.db")},
                 # Nothing listens there: the gateway is up but not ready.
                 "models": [
@@ -215,6 +217,15 @@ def test_server_keys_and_stop(frozen_llmgw: Path, tmp_path: Path) -> None:
         r = httpx.get(admin + "/metrics", timeout=5.0, headers={"Authorization": f"Bearer {token}"})
         assert r.status_code == 200 and "llmgw_" in r.text, (
             f"admin /metrics answered {r.status_code}: {r.text[:2000]}\n{server.output()}"
+        )
+        until(
+            lambda: (
+                "llmgw_workers 2.0" in httpx.get(admin + "/metrics", headers={"Authorization": f"Bearer {token}"}).text
+            ),
+            60,
+            "the frozen server's second worker to listen",
+            detail=server.output,
+            alive=[server.proc],
         )
         c = subprocess.run(
             [

@@ -88,6 +88,36 @@ async def test_reload_only_on_generation_change_and_survives_store_outage():
         await cache.stop()
 
 
+async def test_a_key_made_after_the_last_poll_is_looked_up_in_the_store_before_it_is_refused():
+    src = Source()
+    src.active = [_key("llmgw-a")]
+    cache = KeyCache(src, poll_interval=3600)  # no poll comes: only the lookup on a miss can find the key
+    await cache.load()
+    src.active = [_key("llmgw-a"), _key("llmgw-new", "key-2")]
+    src.generation = 2
+    assert (await cache.authenticate_current("Bearer llmgw-new")).key_id == "key-2"
+    assert src.loads == 2
+    # Unknown keys at once share one generation check, and reload nothing when nothing changed.
+    calls = 0
+    real = src.keys_generation
+
+    async def counted():
+        nonlocal calls
+        calls += 1
+        return await real()
+
+    src.keys_generation = counted
+    results = await asyncio.gather(
+        *(cache.authenticate_current(f"Bearer llmgw-bad{i}") for i in range(50)), return_exceptions=True
+    )
+    assert all(isinstance(r, AuthError) and r.code == "invalid_api_key" for r in results)
+    assert calls == 1 and src.loads == 2
+    # A malformed header is refused without asking the store.
+    with pytest.raises(AuthError, match="Bearer <key>"):
+        await cache.authenticate_current("Basic abc")
+    assert calls == 1
+
+
 def _row(i=0):
     return UsageRow(model="m", endpoint="http://e", status=200, latency_ms=1.0, key_id=f"k{i}")
 

@@ -7,6 +7,7 @@ check each guard by calling every route it covers.
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import httpx
@@ -28,6 +29,7 @@ PAGE = "open page"  # anyone; the session is read when there is one; a POST need
 SESSION = "browser session"  # the session cookie (never an API key); a POST needs the session's CSRF token
 ADMIN_SESSION = "administrator's session"  # a session of an administrator (403 for others) + CSRF for POST
 STATIC = "static file"  # the pages' hashed static files: public, read-only
+FORWARDED = "forwarded"  # a worker's catch-all: the server process answers it, under that route's own guard
 
 GUARDS: dict[tuple[str, str, str], str] = {
     ("listen", "POST", "/v1/chat/completions"): API_KEY,
@@ -381,3 +383,29 @@ async def test_every_page_form_refuses_a_post_without_its_token(server):
             if guard == PAGE and method == "POST":
                 r = await http.post(base + path, data={"email": "a@example.com", "password": "x"})
                 assert r.status_code == 403 and "security token" in r.text, (path, r.status_code)
+
+
+async def test_a_workers_listener_serves_only_the_api_and_its_probe_and_forwards_the_rest(server):
+    # A worker (workers > 1) builds its own client listener: every route on it must be the
+    # server process's API route with the same guard, the open probe, or the forwarder, which
+    # hands the request to the server process, where the table above applies.
+    import socket
+
+    from llmgw.server.workers import Channel, WorkerLink
+
+    a, b = socket.socketpair()
+    near, far = await Channel.open(a), await Channel.open(b)
+    cfg = server.config.model_copy(update={"listen": parse_server_config({"listen": f"127.0.0.1:{_port()}"}).listen})
+    worker = Server(cfg, workers=2, slot=1)
+    worker.link = WorkerLink(worker, far, asyncio.Event(), {"endpoints": []})
+    await worker.start()
+    try:
+        routes = _routes(worker)
+    finally:
+        await worker.stop()
+        await near.close()
+        await far.close()
+    want = {k: g for k, g in GUARDS.items() if k[0] == "listen" and g == API_KEY}
+    want[("listen", "GET", "/health")] = PROBE
+    want[("listen", "*", "/{tail}")] = FORWARDED
+    assert routes == want.keys(), f"unlisted: {sorted(routes - want.keys())}; missing: {sorted(want.keys() - routes)}"

@@ -106,21 +106,25 @@ def pool_saturation(
     capacities, so a pool at its measured concurrency is saturated. It counts only when
     every available endpoint has one (one without has headroom nobody measured, and
     admission does not guess), and for any engine, ``openai`` included.
+
+    With workers (``endpoints.workers`` > 1) each process counts its own requests in flight
+    against its share of every capacity and of the engine's slots, rounded up (``_share``).
     """
     now = time.monotonic() if now is None else now
     stale_after = endpoints.stale_after
+    n = endpoints.workers
     waiting = 0.0
     counted = 0
     kv_sum = 0.0
     kv_n = 0
-    capacity = 0  # the available endpoints' measured capacities, summed
+    capacity = 0.0  # the available endpoints' measured capacities, summed
     capacity_inflight = 0
     unmeasured = False  # an available endpoint without one
     for ep in endpoints.by_model.get(model, ()):
         if not ep.available(now):
             continue
         if ep.capacity:
-            capacity += ep.capacity
+            capacity += _share(ep.capacity, n)
             capacity_inflight += ep.inflight
         else:
             unmeasured = True
@@ -128,7 +132,8 @@ def pool_saturation(
             continue
         counted += 1
         running = ep.running or 0.0
-        beyond_slots = ep.inflight - max(ep.slots_seen, running)
+        # With workers, each counts only its own in flight, against its share of the slots.
+        beyond_slots = ep.inflight - _share(max(ep.slots_seen, running), n)
         if ep.metrics_stale(now, stale_after) or ep.waiting is None:
             # Only the gateway's count: what it has there beyond what the engine can run.
             waiting += max(0.0, beyond_slots)
@@ -140,7 +145,7 @@ def pool_saturation(
             # Never seen queueing (a fast engine, or one not yet loaded): its requests in flight
             # are mostly on the wire, so only what was sent since the scrape, beyond the slots
             # it had free then, is taken to wait. A first burst is held by this.
-            free = max(0.0, ep.slots_seen - running)
+            free = _share(max(0.0, ep.slots_seen - running), n)
             sent_since = ep.inflight - ep.inflight_at_scrape
             waiting += max(0.0, ep.waiting, ep.waiting + sent_since - free)
             if ep.kv_usage is not None:
@@ -161,8 +166,15 @@ def pool_capacity(endpoints: EndpointSet, model: str, healthy_waiting: float, *,
     now = time.monotonic() if now is None else now
     available = [ep for ep in endpoints.by_model.get(model, ()) if ep.available(now)]
     if available and all(ep.capacity for ep in available):
-        return float(sum(ep.capacity or 0 for ep in available))
+        return float(sum(_share(ep.capacity or 0, endpoints.workers) for ep in available))
     return healthy_waiting * sum(1 for ep in available if _measured(ep))
+
+
+def _share(x: float, workers: int) -> float:
+    """One worker's part of an engine's capacity or slots: a whole share, rounded up, so no
+    worker is held below one request (across N workers a pool admits up to N - 1 more than
+    the capacity, which is the documented bound)."""
+    return x if workers <= 1 else float(math.ceil(x / workers))
 
 
 # --- the queue ---------------------------------------------------------------

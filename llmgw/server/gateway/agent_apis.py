@@ -455,7 +455,7 @@ class AgentApis:
 
     async def _thread_scope(self, request: web.Request) -> tuple[Scope, str] | web.Response:
         try:
-            principal = self.gateway._authenticate(request)
+            principal = await self.gateway._authenticate(request)
         except AuthError as exc:
             return error_response(401, exc.message, exc.code)
         scope = self._scope(CHAT, principal)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from types import SimpleNamespace
@@ -120,6 +121,16 @@ class AuthError(LlmgwError):
         self.code = code
 
 
+MISS_RECHECK_S = 0.1  # an unknown key looks in the store at most this often
+
+
+def _well_formed(header: str | None) -> bool:
+    if not header or not header.isascii():
+        return False
+    scheme, _, secret = header.partition(" ")
+    return scheme.lower() == "bearer" and bool(secret.strip())
+
+
 class KeyCache:
     """Maps sha256(secret) to a principal; revoked keys are kept to say so."""
 
@@ -143,6 +154,8 @@ class KeyCache:
         self._retention: dict[str, Any] = {}
         self._task: asyncio.Task | None = None
         self.reload_failures = 0
+        self._recheck: asyncio.Task | None = None
+        self._rechecked = -MISS_RECHECK_S
 
     def __len__(self) -> int:
         return len(self._active)
@@ -192,6 +205,36 @@ class KeyCache:
                 # Serving goes on with the keys already known.
                 self.reload_failures += 1
                 log.warning("could not check the store for key changes: %s", exc)
+
+    async def authenticate_current(self, header: str | None) -> Principal:
+        """authenticate(), except that a key the cache does not know sends it to the store first
+        when the keys there changed since it loaded: a key made a moment ago (by `llmgw up`, by
+        another serving process or control plane) is served before the next poll.  A flood of
+        unknown keys costs at most one generation check every MISS_RECHECK_S, shared by all
+        (an unknown key waits for the next one, so it is answered within MISS_RECHECK_S)."""
+        try:
+            return self.authenticate(header)
+        except AuthError as exc:
+            if exc.code != "invalid_api_key" or not _well_formed(header):
+                raise
+        if self._recheck is None:
+            wait = self._rechecked + MISS_RECHECK_S - time.monotonic()
+            self._recheck = asyncio.create_task(self._check_now(max(wait, 0.0)), name="key cache: recheck")
+        await asyncio.shield(self._recheck)
+        return self.authenticate(header)
+
+    async def _check_now(self, after: float) -> None:
+        try:
+            if after > 0:
+                await asyncio.sleep(after)
+            if await self._source.keys_generation() != self._generation:
+                await self.load()
+        except Exception as exc:
+            self.reload_failures += 1
+            log.warning("could not check the store for a key it does not know: %s", exc)
+        finally:
+            self._rechecked = time.monotonic()
+            self._recheck = None
 
     def authenticate(self, header: str | None) -> Principal:
         if not header:

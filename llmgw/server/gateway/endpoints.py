@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -263,6 +264,10 @@ class EndpointSet:
         self._session: aiohttp.ClientSession | None = None
         # How to choose among a model's endpoints (routing.py); the gateway configures it.
         self.router = Router()
+        # Processes serving the client API (server.yaml's workers): each admits against its
+        # share of an engine's capacity (admission.py). Told of every add and remove: on_change.
+        self.workers = 1
+        self.on_change: list[Callable[[], None]] = []
 
     def choose(self, model: str, exclude: tuple[Endpoint, ...] = (), blocks: tuple[int, ...] = ()) -> Endpoint | None:
         """An available endpoint of a model, not in ``exclude``, as the model's routing
@@ -294,6 +299,8 @@ class EndpointSet:
         self.by_model.setdefault(ep.model, []).append(ep)
         if self._session is not None:
             self._watchers[ep] = asyncio.create_task(self._watch(ep), name=f"scrape {ep.url}")
+        for f in self.on_change:
+            f()
 
     def remove(self, ep: Endpoint) -> None:
         """Stop routing new requests to ``ep``; requests already there finish."""
@@ -308,6 +315,8 @@ class EndpointSet:
         task = self._watchers.pop(ep, None)
         if task is not None:
             task.cancel()
+        for f in self.on_change:
+            f()
 
     def any_ready(self) -> bool:
         now = time.monotonic()

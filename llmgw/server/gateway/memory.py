@@ -84,9 +84,9 @@ class Memory:
 
     # -- who may keep notes here --------------------------------------------------------
 
-    def _scope(self, request: web.Request) -> tuple[Principal, Scope]:
+    async def _scope(self, request: web.Request) -> tuple[Principal, Scope]:
         try:
-            principal = self.gateway._authenticate(request)
+            principal = await self.gateway._authenticate(request)
         except AuthError as exc:
             raise _NoteRefused(401, exc.message, exc.code) from None
         return principal, self._scope_of(principal)
@@ -148,7 +148,7 @@ class Memory:
 
     async def _answer(self, request: web.Request, op, status: int = 200) -> web.Response:
         try:
-            _, scope = self._scope(request)
+            _, scope = await self._scope(request)
             result = await op(scope)
         except _NoteRefused as exc:
             return error_response(exc.status, exc.message, exc.code)
@@ -201,7 +201,7 @@ class Memory:
 
     async def mcp_route(self, request: web.Request) -> web.StreamResponse:
         try:
-            principal, _ = self._scope(request)
+            principal, _ = await self._scope(request)
         except _NoteRefused as exc:
             return error_response(exc.status, exc.message, exc.code)
         # A session belongs to the key that opened it; without keys, to the one shared pool.

@@ -306,19 +306,19 @@ class Gateway:
 
     # -- small handlers ---------------------------------------------------
 
-    def _authenticate(self, request: web.Request) -> Principal:
+    async def _authenticate(self, request: web.Request) -> Principal:
         if self.keys is None:
             return ANONYMOUS
         header = request.headers.get("Authorization")
         if header is None and (key := request.headers.get("x-api-key")) is not None:
             # Anthropic's SDKs (and Claude Code with ANTHROPIC_API_KEY) send the key this way.
             header = f"Bearer {key}"
-        return self.keys.authenticate(header)
+        return await self.keys.authenticate_current(header)
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
         anthropic = ANTHROPIC_VERSION in request.headers
         try:
-            self._authenticate(request)
+            await self._authenticate(request)
         except AuthError as exc:
             return error_response(401, exc.message, exc.code, anthropic=anthropic)
         if anthropic:
@@ -330,7 +330,7 @@ class Gateway:
         """One model by name or alias (the SDKs' models.retrieve), in the listing's form."""
         anthropic = ANTHROPIC_VERSION in request.headers
         try:
-            self._authenticate(request)
+            await self._authenticate(request)
         except AuthError as exc:
             return error_response(401, exc.message, exc.code, anthropic=anthropic)
         name = request.match_info["model"]
@@ -376,7 +376,7 @@ class Gateway:
     async def read_body(self, request: web.Request, route: Route) -> tuple[Principal, bytes] | web.Response:
         """Who sent a request and its bytes, or the refusal (no key, too large) in the route's shape."""
         try:
-            principal = self._authenticate(request)
+            principal = await self._authenticate(request)
         except AuthError as exc:
             return self._refuse(route, "", 401, exc.message, exc.code)
         if request.content_length is not None and request.content_length > self.max_body:

@@ -75,7 +75,8 @@ commit was never confirmed and that is then written again by another process (ke
 usage journal, replayed by the next start) is counted again by the others.
 
 When it is on: auth.shared_limits; null (the default) turns it on when the store is
-PostgreSQL, the only store gateways on several machines can share. SQLite is one machine's
+PostgreSQL, the only store gateways on several machines can share, and always with more than
+one worker (server.yaml's workers: each worker process is a gateway here, with its own id). SQLite is one machine's
 file; two processes on one file can share it too, with auth.shared_limits: true. Off, the
 accountant is exactly as it is without this module.
 """
@@ -559,10 +560,13 @@ class SharedLimitsCollector:
         return [claimed, returned, claims, failures, held]
 
 
-def shared_limits_for(auth: AuthConfig, store: Store, registry: CollectorRegistry) -> SharedLimits | None:
-    """Shared limits for a gateway, when auth.shared_limits (or the store's kind) says so; limits
-    bind keys only, so never without auth."""
-    if not auth.enabled or not enabled(auth.shared_limits, store):
+def shared_limits_for(
+    auth: AuthConfig, store: Store, registry: CollectorRegistry, *, force: bool = False
+) -> SharedLimits | None:
+    """Shared limits for a gateway, when auth.shared_limits (or the store's kind) says so, or
+    ``force`` (one of several workers: each is a gateway on the store); limits bind keys only,
+    so never without auth."""
+    if not auth.enabled or not (force or enabled(auth.shared_limits, store)):
         return None
     shared = SharedLimits(store)
     try:
