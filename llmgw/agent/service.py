@@ -65,6 +65,7 @@ from llmgw.protocol import (
     LogsReply,
     LogsRequest,
     Message,
+    Pace,
     ProtocolError,
     Provision,
     ProvisionState,
@@ -132,6 +133,8 @@ class Agent:
         self.installer: Installer | None = None
         self._converge: ConvergeLoop | None = None
         self._outbox: asyncio.Queue[Message] | None = None
+        # The heartbeat interval the control plane asked for (Pace): a large fleet reports less often.
+        self._pace: float | None = None
         self._specs: dict[str, StartShard] = {}  # as received, echoed back in registrations
         self._starting: dict[str, asyncio.Task] = {}
         self._fabrics_sent: FabricCheck | None = None  # the last fabrics check sent
@@ -206,6 +209,7 @@ class Agent:
 
     async def _session(self, ws: aiohttp.ClientWebSocketResponse, addr: str) -> None:
         self._outbox = asyncio.Queue()
+        self._pace = None  # each control plane (or restart of one) says its own
         await ws.send_bytes(encode(self._register()))
         # A control plane newly connected to learns the subnet managers with the first heartbeat.
         self._sm_due = 0.0
@@ -238,8 +242,24 @@ class Agent:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            await asyncio.sleep(self.heartbeat_interval)
             self.send(await self._heartbeat())
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """agent.yaml's heartbeat_interval, or the longer one the control plane asked for."""
+        return max(self.cfg.heartbeat_interval, self._pace or 0.0)
+
+    def _set_pace(self, msg: Pace) -> None:
+        before = self.heartbeat_interval
+        self._pace = msg.heartbeat_interval
+        if self.heartbeat_interval != before:
+            log.info(
+                "the control plane asks for a heartbeat every %gs; reporting every %gs (heartbeat_interval %gs)",
+                msg.heartbeat_interval or self.cfg.heartbeat_interval,
+                self.heartbeat_interval,
+                self.cfg.heartbeat_interval,
+            )
 
     def _register(self) -> Register:
         inv = self.inventory
@@ -413,6 +433,8 @@ class Agent:
             self._spawn(self._fabric_scan(msg))
         elif isinstance(msg, FabricTestRequest):
             self._fabric_test(msg)
+        elif isinstance(msg, Pace):
+            self._set_pace(msg)
         elif isinstance(msg, Ack):
             if not msg.ok:
                 log.warning("the control plane refused message %s: %s", msg.id, msg.error)

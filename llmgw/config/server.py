@@ -701,6 +701,14 @@ class ControlConfig(_Block):
         default=15.0, description="A node with no message for this long is unreachable."
     )
     lost_after: Duration = Field(default=60.0, description="A node with no message for this long is lost.")
+    heartbeat_rate: float | None = Field(
+        default=200.0,
+        description="The heartbeats a second the control plane asks its whole fleet for. Above this many nodes "
+        "each agent is asked to report every nodes/heartbeat_rate seconds (when that is longer than its own "
+        "heartbeat_interval), and unreachable_after and lost_after stretch in proportion for it (three missed "
+        "reports), so a large fleet's heartbeats, and a restart's reconnection storm, cost the control plane the "
+        "same each second however many nodes there are. null: agents keep their own interval at any size.",
+    )
     expected_nodes: list[str] = Field(
         default_factory=list,
         description="The node ids of every agent of this control plane, when they are known. After a start it "
@@ -759,6 +767,10 @@ class ControlConfig(_Block):
             raise ValueError(
                 f"unreachable_after ({self.unreachable_after:g}s) must be above 0 and below "
                 f"lost_after ({self.lost_after:g}s)"
+            )
+        if self.heartbeat_rate is not None and not self.heartbeat_rate > 0:
+            raise ValueError(
+                f"heartbeat_rate ({self.heartbeat_rate:g}) must be above 0, or null to leave every agent its own interval"
             )
         for key in ("interval", "base_backoff", "cold_start_wait", "fabric_scan_interval"):
             if getattr(self, key) <= 0:

@@ -51,6 +51,7 @@ from .messages import (
     LogsReply,
     LogsRequest,
     Message,
+    Pace,
     Provision,
     ProvisionState,
     ProvisionStatus,
@@ -64,13 +65,14 @@ from .messages import (
 )
 
 # 2: fabric_scan_* and fabric_test_* (sent only to agents listing their features).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: pace
 
 FEATURE_LOGS = "logs"
 FEATURE_REMOVE_WEIGHTS = "remove-weights"
 FEATURE_DRAIN = "drain"
 FEATURE_FABRIC_SCAN = "fabric-scan"
 FEATURE_FABRIC_TEST = "fabric-test"
+FEATURE_PACE = "pace"  # the agent heartbeats at the interval a Pace message asks for
 # What this build's agent answers. A request whose feature the agent did not
 # list is not sent to it.
 FEATURES: tuple[str, ...] = (
@@ -79,6 +81,7 @@ FEATURES: tuple[str, ...] = (
     FEATURE_DRAIN,
     FEATURE_FABRIC_SCAN,
     FEATURE_FABRIC_TEST,
+    FEATURE_PACE,
 )
 
 __all__ = [
@@ -87,6 +90,7 @@ __all__ = [
     "FEATURE_FABRIC_SCAN",
     "FEATURE_FABRIC_TEST",
     "FEATURE_LOGS",
+    "FEATURE_PACE",
     "FEATURE_REMOVE_WEIGHTS",
     "GPU",
     "HCA",
@@ -122,6 +126,7 @@ __all__ = [
     "NodeInventory",
     "NodeLoad",
     "NodeSample",
+    "Pace",
     "ProtocolError",
     "Provision",
     "ProvisionState",

@@ -84,6 +84,7 @@ class NodeRow(WireModel):
     connected: bool | None = None
     last_seen: float | None = None  # wall clock
     last_seen_ago_s: float | None = None
+    heartbeat_pace_s: float | None = None  # the interval the control plane asked the agent for; None: its own
     agent_version: str | None = None
     mgmt_addr: str | None = None
     mgmt_interface: str | None = None

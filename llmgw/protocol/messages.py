@@ -388,6 +388,20 @@ class RemoveWeights(Message):
     paths: list[str]
 
 
+class Pace(Message):
+    """How often the control plane asks this agent to heartbeat: no more often than
+    ``heartbeat_interval`` seconds (the agent keeps its own interval when that is longer).
+    A large fleet is asked to report less often so that the heartbeats the control plane
+    takes each second stay bounded; it waits longer before calling a node unreachable in
+    proportion. ``None``: the agent's own interval again. Sent only to agents that list
+    the ``pace`` feature."""
+
+    TYPE: ClassVar[str] = "pace"
+    DIRECTION: ClassVar[Direction] = "down"
+
+    heartbeat_interval: float | None = Field(default=None, gt=0)
+
+
 class Ack(Message):
     """The answer to a message sent with an id: ok, or the error in words."""
 
@@ -425,5 +439,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     FabricScanRequest,
     FabricTestRequest,
     RemoveWeights,
+    Pace,
     Ack,
 )

@@ -520,6 +520,7 @@ class Server:
             require_identity=mtls,
             unreachable_after=c.unreachable_after,
             lost_after=c.lost_after,
+            heartbeat_rate=c.heartbeat_rate,
         )
         fabrics = self.fabrics = FabricService(self.agents, scan_interval=c.fabric_scan_interval)
         app = web.Application()

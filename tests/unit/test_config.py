@@ -50,6 +50,12 @@ def test_wrong_type_refused():
     assert "auth.enabled:" in msg
 
 
+def test_a_heartbeat_rate_that_is_not_above_zero_is_refused_and_null_turns_pacing_off():
+    assert parse_server_config({}).control.heartbeat_rate == 200.0
+    assert parse_server_config({"control": {"heartbeat_rate": None}}).control.heartbeat_rate is None
+    assert "heartbeat_rate (0) must be above 0, or null" in _err({"control": {"heartbeat_rate": 0}})
+
+
 def test_expected_nodes_listed_twice_or_empty_are_refused():
     assert parse_server_config({"control": {"expected_nodes": ["a", "b"]}}).control.expected_nodes == ["a", "b"]
     assert "control.expected_nodes" in _err({"control": {"expected_nodes": ["a", "a"]}})

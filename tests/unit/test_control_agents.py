@@ -22,6 +22,7 @@ from llmgw.protocol import (
     LogsReply,
     LogsRequest,
     MemoryInfo,
+    Pace,
     Provision,
     ProvisionState,
     ProvisionStatus,
@@ -397,3 +398,77 @@ async def test_why_a_declared_fabric_is_not_advertised_follows_the_heartbeats(en
     await async_until(lambda: svc.get("n1").fabric_problems == [])
     assert [f.fabric for f in svc.get("n1").fabrics] == ["ib-a"]
     await ws.close()
+
+
+def _paced(node: str) -> Register:
+    return Register(node_id=node, protocol_version=PROTOCOL_VERSION, agent_version="t", features=["logs", "pace"])
+
+
+@pytest.mark.parametrize(
+    "env", [{"heartbeat_rate": 2.0, "unreachable_after": 1.0, "lost_after": 4.0, "check_interval": 3600}], indirect=True
+)
+async def test_a_growing_fleet_is_asked_to_heartbeat_less_often_and_given_as_much_longer_before_it_is_unreachable(env):
+    svc, server, http = env
+    # Two heartbeats a second for the fleet: one node reports as it likes (a pace under 1 s is not asked for).
+    first = await connect(server, http, _paced("n1"))
+    await async_until(lambda: svc.is_connected("n1"))
+    old = await connect(server, http, reg("n2"))  # an agent that does not know Pace
+    await async_until(lambda: svc.is_connected("n2"))
+    third = await connect(server, http, _paced("n3"))
+    got = await recv(third)  # three nodes: each is asked for one heartbeat every 1.5 s, at registration
+    assert isinstance(got, Pace) and got.heartbeat_interval == 1.5
+    # An agent registered before the fleet grew hears it with its next heartbeat.
+    await first.send_bytes(encode(Heartbeat(node_id="n1")))
+    got = await recv(first)
+    assert isinstance(got, Pace) and got.heartbeat_interval == 1.5
+    assert svc.get("n1").heartbeat_pace == 1.5
+    for n in ("n4", "n5"):
+        await connect(server, http, reg(n))
+    await async_until(lambda: svc.get("n5") is not None)
+    await third.send_bytes(encode(Heartbeat(node_id="n3")))
+    got = await recv(third)
+    assert isinstance(got, Pace) and got.heartbeat_interval == 2.5
+    # One a fifth off what it keeps is not told again: n1 keeps 1.5 s against 2.5 s, so it is told.
+    await first.send_bytes(encode(Heartbeat(node_id="n1")))
+    got = await recv(first)
+    assert isinstance(got, Pace) and got.heartbeat_interval == 2.5
+    # The agent that does not list the feature was sent nothing: its first frame is the request sent now.
+    await old.send_bytes(encode(Heartbeat(node_id="n2")))
+    await svc.send("n2", Provision(engines=[EngineWant(engine="llamacpp", version="b1")]))
+    assert isinstance(await recv(old), Provision)
+    assert svc.get("n2").heartbeat_pace is None
+
+    # Liveness: three paced heartbeats missed (7.5 s) before unreachable, and lost_after stretched as much.
+    t = max(svc.get(n)._seen_mono for n in ("n1", "n2", "n3", "n4", "n5"))
+    await svc.check(now=t + 1.5)
+    assert svc.get("n2").state == NodeState.UNREACHABLE
+    assert svc.get("n3").state == NodeState.READY and svc.get("n1").state == NodeState.READY
+    assert svc.liveness_after(svc.get("n3")) == (7.5, 30.0)
+    await svc.check(now=t + 8.0)
+    assert svc.get("n3").state == NodeState.UNREACHABLE and svc.get("n2").state == NodeState.LOST  # 4 s, unpaced
+    await svc.check(now=t + 31.0)
+    assert svc.get("n3").state == NodeState.LOST
+
+
+@pytest.mark.parametrize("env", [{"heartbeat_rate": 1.0, "check_interval": 3600}], indirect=True)
+async def test_a_shorter_pace_counts_for_liveness_only_once_the_agent_has_reported_since(env):
+    svc, server, http = env
+    ws = await connect(server, http, _paced("n1"))
+    assert (await recv(ws)).heartbeat_interval == 1.0  # one heartbeat a second for the fleet: this one node's
+    for n in ("n2", "n3", "n4"):
+        await connect(server, http, reg(n))
+    await async_until(lambda: svc.get("n4") is not None)
+    await ws.send_bytes(encode(Heartbeat(node_id="n1")))
+    assert (await recv(ws)).heartbeat_interval == 4.0
+    node = svc.get("n1")
+    assert svc.liveness_after(node) == (15.0, 60.0)  # 3 × 4 s is still under unreachable_after
+    node._pace_hold = 40.0  # as if it had been asked for 40 s, and is now asked for 4 s
+    assert svc.liveness_after(node) == (120.0, 480.0)
+    await ws.send_bytes(encode(Heartbeat(node_id="n1")))
+    await async_until(lambda: node._pace_hold == 4.0, what="the pace it keeps taken as the one it was asked for")
+    assert svc.liveness_after(node) == (15.0, 60.0)
+
+
+def test_a_heartbeat_rate_of_zero_is_refused():
+    with pytest.raises(ValueError, match="heartbeat_rate must be above 0"):
+        AgentService(heartbeat_rate=0)

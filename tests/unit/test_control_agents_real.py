@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import sys
+import time
 
 import yaml
 from aiohttp import web
@@ -16,64 +18,105 @@ from llmgw.server.control.agents import AgentService, NodeState
 from llmgw.testing.waiting import async_until
 
 
-async def test_the_real_agent_registers_heartbeats_and_answers_a_request(tmp_path):
-    svc = AgentService(check_interval=0.1)
-    app = web.Application()
-    svc.add_routes(app)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    cfg = tmp_path / "agent.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "server": f"127.0.0.1:{server.port}",
-                "tls": None,
-                "node_id": "real-a",
-                "heartbeat_interval": "200ms",
-                "reconnect_base": "200ms",
-                "reconnect_max": "1s",
-                "weights_cache": str(tmp_path / "weights"),
-                "engines_dir": str(tmp_path / "engines"),
-                "supervisor": {"work_dir": str(tmp_path / "state")},
-                "discovery": {"skip_gpus": True},
-            }
-        )
-    )
-    log_path = tmp_path / "agent.log"
-    with open(log_path, "wb") as out:  # noqa: ASYNC230  # a local log file for the child's stdout: nothing to wait on
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "llmgw.cli.main",
-            "agent",
-            "--config",
-            str(cfg),
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
+class RealAgent:
+    """`llmgw agent` as a child process, dialling ``port``, heartbeating every 200 ms of its own accord."""
 
-        def agent_log() -> str:
-            return "agent log:\n" + log_path.read_text()[-4000:]
-
-        await async_until(
-            lambda: svc.is_connected("real-a"), 30, "the agent to register", detail=agent_log, alive=[proc]
+    def __init__(self, tmp_path, port: int) -> None:
+        self.cfg = tmp_path / "agent.yaml"
+        self.cfg.write_text(
+            yaml.safe_dump(
+                {
+                    "server": f"127.0.0.1:{port}",
+                    "tls": None,
+                    "node_id": "real-a",
+                    "heartbeat_interval": "200ms",
+                    "reconnect_base": "200ms",
+                    "reconnect_max": "1s",
+                    "weights_cache": str(tmp_path / "weights"),
+                    "engines_dir": str(tmp_path / "engines"),
+                    "supervisor": {"work_dir": str(tmp_path / "state")},
+                    "discovery": {"skip_gpus": True},
+                }
+            )
         )
-        node = svc.get("real-a")
-        assert node.state == NodeState.READY and node.protocol_version >= 1
-        assert node.inventory is not None and node.inventory.memory.total_bytes > 0
-        assert "logs" in (node.features or [])
-        await async_until(lambda: node.load is not None, 30, "a heartbeat", detail=agent_log, alive=[proc])
-        reply = await svc.request("real-a", LogsRequest(source="agent", lines=50), timeout=10)
-        assert isinstance(reply, LogsReply) and reply.error is None and "agent" in (reply.sources or [])
-    finally:
-        if proc.returncode is None:
+        self.log_path = tmp_path / "agent.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> asyncio.subprocess.Process:
+        with open(self.log_path, "wb") as out:  # noqa: ASYNC230  # a local log file for the child's stdout
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "llmgw.cli.main",
+                "agent",
+                "--config",
+                str(self.cfg),
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        return self.proc
+
+    def log(self) -> str:
+        return "agent log:\n" + self.log_path.read_text()[-4000:]
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), 15)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+async def _serve(svc: AgentService) -> TestServer:
+    app = web.Application()
+    svc.add_routes(app)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+async def test_the_real_agent_registers_heartbeats_and_answers_a_request(tmp_path):
+    svc = AgentService(check_interval=0.1)
+    server = await _serve(svc)
+    agent = RealAgent(tmp_path, server.port)
+    proc = await agent.start()
+    try:
+        await async_until(
+            lambda: svc.is_connected("real-a"), 30, "the agent to register", detail=agent.log, alive=[proc]
+        )
+        node = svc.get("real-a")
+        assert node.state == NodeState.READY and node.protocol_version >= 1
+        assert node.inventory is not None and node.inventory.memory.total_bytes > 0
+        assert "logs" in (node.features or [])
+        await async_until(lambda: node.load is not None, 30, "a heartbeat", detail=agent.log, alive=[proc])
+        reply = await svc.request("real-a", LogsRequest(source="agent", lines=50), timeout=10)
+        assert isinstance(reply, LogsReply) and reply.error is None and "agent" in (reply.sources or [])
+    finally:
+        await agent.stop()
+        await server.close()
+
+
+async def test_the_real_agent_heartbeats_at_the_pace_the_control_plane_asks_for(tmp_path):
+    # One heartbeat a second for a fleet of one: the agent, at 200 ms of its own, is asked for 1 s.
+    svc = AgentService(check_interval=0.1, heartbeat_rate=1.0)
+    server = await _serve(svc)
+    beats: list[float] = []
+    svc.on_report(lambda node: beats.append(time.monotonic()))
+    agent = RealAgent(tmp_path, server.port)
+    proc = await agent.start()
+    try:
+        await async_until(lambda: len(beats) >= 5, 60, "five reports", detail=agent.log, alive=[proc])
+        assert svc.get("real-a").heartbeat_pace == 1.0
+        # The registration, then perhaps one heartbeat at the agent's own 200 ms already under way; the
+        # gaps after that are the asked-for second (a sleep never ends early; 0.1 s for the way here).
+        gaps = [b - a for a, b in itertools.pairwise(beats[2:])]
+        assert gaps and min(gaps) >= 0.9, gaps
+        assert "asks for a heartbeat every 1s; reporting every 1s" in agent.log_path.read_text()
+    finally:
+        await agent.stop()
         await server.close()

@@ -33,6 +33,7 @@ from llmgw.protocol import (
     NodeInventory,
     NodeLoad,
     NVLinkPeer,
+    Pace,
     ProtocolError,
     Provision,
     ProvisionState,
@@ -174,6 +175,7 @@ def _every_message() -> list[p.Message]:
         LogsRequest(id="l-1", source="agent", lines=200),
         LogsReply(id="l-1", lines=["a", "b"], sources=["agent", "r1-0"]),
         RemoveWeights(id="w-1", paths=["/var/lib/llmgw-weights/abc.gguf"]),
+        Pace(heartbeat_interval=40.0),
         FabricScanRequest(id="f-1", hca="mlx5_0", port=1),
         FabricScanReply(id="f-1", output="# Topology file\n", took_ms=840),
         FabricTestRequest(

@@ -214,6 +214,7 @@ class AdminAPI:
                     connected=n.connected,
                     last_seen=n.last_seen,
                     last_seen_ago_s=round(now - n.last_seen, 1) if n.last_seen else None,
+                    heartbeat_pace_s=n.heartbeat_pace,
                     agent_version=n.agent_version,
                     mgmt_addr=n.mgmt_addr,
                     mgmt_interface=n.mgmt_interface,

@@ -34,6 +34,7 @@ from llmgw.protocol import (
     FEATURE_FABRIC_SCAN,
     FEATURE_FABRIC_TEST,
     FEATURE_LOGS,
+    FEATURE_PACE,
     FEATURE_REMOVE_WEIGHTS,
     IMEX,
     STREAM_PATH,
@@ -54,6 +55,7 @@ from llmgw.protocol import (
     Message,
     NodeInventory,
     NodeLoad,
+    Pace,
     ProtocolError,
     ProvisionState,
     ProvisionStatus,
@@ -89,6 +91,11 @@ _REPLIES = (Ack, LogsReply, FabricScanReply, FabricTestReply)
 # WebSocket close codes: 1008 policy violation (refused), 1001 going away.
 _CLOSE_REFUSED = 1008
 _CLOSE_GOING_AWAY = 1001
+
+
+PACE_FLOOR_S = 1.0  # a pace shorter than this is not asked for: every agent's own interval is longer
+PACE_SLACK = 1.2  # a pace within this factor of the one an agent keeps is not sent again
+PACE_MISSED = 3  # paced heartbeats missed before a node is unreachable (15 s at the default 5 s)
 
 
 class NodeState(StrEnum):
@@ -166,6 +173,11 @@ class Node:
     shards: dict[str, ShardStatus] = field(default_factory=dict)
     registered_shards: list[RunningShard] = field(default_factory=list)
     _seen_mono: float = 0.0  # monotonic clock of last_seen, for liveness
+    # The heartbeat interval this control plane asked of the agent (Pace); None: its own.
+    heartbeat_pace: float | None = None
+    # The longest interval the agent may still be keeping since its last message: a
+    # shorter pace asked for counts only once a message shows it was taken.
+    _pace_hold: float | None = None
     # Bumped on every applied registration, heartbeat and state change, so a reader
     # (the reconciler's node views) can tell an unchanged record without reading it.
     version: int = 0
@@ -218,6 +230,7 @@ class AgentService:
         require_identity: bool = False,
         unreachable_after: float = 15.0,
         lost_after: float = 60.0,
+        heartbeat_rate: float | None = 200.0,
         check_interval: float = 1.0,
         register_timeout: float = 10.0,
         max_msg_size: int = 64 << 20,
@@ -228,11 +241,14 @@ class AgentService:
             )
         if check_interval <= 0:
             raise ValueError(f"check_interval must be above 0, not {check_interval}")
+        if heartbeat_rate is not None and heartbeat_rate <= 0:
+            raise ValueError(f"heartbeat_rate must be above 0, not {heartbeat_rate}")
         self.leadership = leadership
         self.identity = identity
         self.require_identity = require_identity
         self.unreachable_after = unreachable_after
         self.lost_after = lost_after
+        self.heartbeat_rate = heartbeat_rate
         self.check_interval = check_interval
         self.register_timeout = register_timeout
         self.max_msg_size = max_msg_size
@@ -397,6 +413,43 @@ class AgentService:
                 )
         return conn
 
+    # -- heartbeat pace ---------------------------------------------------------
+
+    def pace(self) -> float | None:
+        """The heartbeat interval the fleet is asked for now: one heartbeat a second per
+        heartbeat_rate nodes, so the heartbeats taken each second stay at about heartbeat_rate
+        however large the fleet grows (None while the fleet is small enough for every agent's own
+        interval, below PACE_FLOOR_S)."""
+        if self.heartbeat_rate is None:
+            return None
+        interval = len(self._nodes) / self.heartbeat_rate
+        return round(interval, 1) if interval >= PACE_FLOOR_S else None
+
+    def liveness_after(self, node: Node) -> tuple[float, float]:
+        """unreachable_after and lost_after for one node: stretched by the pace it was asked to
+        keep, so a node reporting every 40 s is not unreachable after 15 s of silence."""
+        hold = node._pace_hold
+        if hold is None:
+            return self.unreachable_after, self.lost_after
+        stretch = max(1.0, PACE_MISSED * hold / self.unreachable_after)
+        return self.unreachable_after * stretch, self.lost_after * stretch
+
+    async def _send_pace(self, conn: _Conn, node: Node) -> None:
+        """Tell an agent the pace when it is not the one it keeps (within a fifth either way):
+        at registration, and on a heartbeat after the fleet grew or shrank."""
+        if FEATURE_PACE not in (node.features or ()):
+            return
+        want = self.pace()
+        have = node.heartbeat_pace
+        if want == have or (want is not None and have is not None and have / PACE_SLACK <= want <= have * PACE_SLACK):
+            return
+        node.heartbeat_pace = want
+        node._pace_hold = max(node._pace_hold or 0.0, want or 0.0) or None
+        try:
+            await conn.write(Pace(heartbeat_interval=want))
+        except (ConnectionError, RuntimeError) as exc:
+            log.debug("could not send the pace to node %s: %s", node.node_id, exc)
+
     # -- the stream -----------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -426,6 +479,9 @@ class AgentService:
             self._fail_pending(old, f"node {claimed} connected again; the stream this request went down was closed")
             await old.ws.close(code=_CLOSE_GOING_AWAY, message=b"replaced by a newer connection from the same node")
         self._apply_register(reg, request.remote)
+        registered = self._nodes[claimed]
+        registered.heartbeat_pace = registered._pace_hold = None  # a new session starts at the agent's own interval
+        await self._send_pace(conn, registered)
         try:
             async for frame in ws:
                 if frame.type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
@@ -507,6 +563,8 @@ class AgentService:
                     await self._reply_error(conn, msg.id, err)
                 return
             self._apply_heartbeat(node, msg)
+            node._pace_hold = node.heartbeat_pace
+            await self._send_pace(conn, node)
         elif isinstance(msg, ShardStatus):
             self._seen(node)
             self._apply_shard(node, msg)
@@ -733,7 +791,10 @@ class AgentService:
         now = time.monotonic() if now is None else now
         for node in self._nodes.values():
             age = now - node._seen_mono
-            if age >= self.lost_after and node.state != NodeState.LOST:
+            unreachable_after, lost_after = (
+                (self.unreachable_after, self.lost_after) if node._pace_hold is None else self.liveness_after(node)
+            )
+            if age >= lost_after and node.state != NodeState.LOST:
                 if node.unreachable_since is None:
                     node.unreachable_since = time.time()
                 node.state = NodeState.LOST
@@ -744,7 +805,7 @@ class AgentService:
                     age,
                     _utc(node.last_seen),
                 )
-            elif self.unreachable_after <= age < self.lost_after and node.state == NodeState.READY:
+            elif unreachable_after <= age < lost_after and node.state == NodeState.READY:
                 node.state = NodeState.UNREACHABLE
                 node.version += 1
                 node.unreachable_since = time.time()
