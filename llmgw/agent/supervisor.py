@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llmgw.errors import LlmgwError
 from llmgw.files import write_atomic
+from llmgw.filewatch import FileWrites
 from llmgw.protocol import ShardState
 
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -1091,18 +1092,28 @@ class Supervisor:
             self._set(sh, ShardState.READY, "worker alive")
             return
         # A small model is ready within a fraction of a second, a large one after minutes: ask
-        # often at first and back off (a quarter longer each time) to health_interval: readiness
-        # is learnt within a quarter of the time the engine took, and a long load costs few probes.
+        # often at first and back off (a quarter longer each time) to health_interval, so a long
+        # load costs few probes. And ask at once whenever the engine writes to its output: an
+        # engine says it listens, and then that it is ready, in a line, so readiness is learnt
+        # from the engine within milliseconds rather than at the next timed probe.
         wait = min(self.health_first, self.health_interval)
-        while True:
-            state, detail = await self._probe(sh)
-            if state is ShardState.STARTING and sh.state is ShardState.LOADING:
-                state = ShardState.LOADING  # a busy engine timing out is not starting over
-            self._set(sh, state, detail)
-            if state is ShardState.READY:
-                return
-            await asyncio.sleep(wait)
-            wait = min(wait * 1.25, self.health_interval)
+        said = FileWrites.open(sh.engine.log_path) if sh.engine is not None else None
+        try:
+            while True:
+                state, detail = await self._probe(sh)
+                if state is ShardState.STARTING and sh.state is ShardState.LOADING:
+                    state = ShardState.LOADING  # a busy engine timing out is not starting over
+                self._set(sh, state, detail)
+                if state is ShardState.READY:
+                    return
+                if said is None:
+                    await asyncio.sleep(wait)
+                else:
+                    await said.wait(wait)
+                wait = min(wait * 1.25, self.health_interval)
+        finally:
+            if said is not None:
+                said.close()
 
     async def _probe(self, sh: _Shard) -> tuple[ShardState, str]:
         base = sh.spec.base_url

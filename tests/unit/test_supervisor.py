@@ -45,6 +45,7 @@ p.add_argument("--port", type=int, default=0)
 p.add_argument("--model", default="tiny")
 p.add_argument("--delay", type=float, default=0.0)
 p.add_argument("--load", type=float, default=0.0)
+p.add_argument("--say-ready", action="store_true")
 p.add_argument("--exit", type=int, default=None)
 p.add_argument("--suicide", default=None)
 p.add_argument("--ignore-term", action="store_true")
@@ -89,6 +90,14 @@ if not a.port:
     while True:
         time.sleep(1)
 ready_at = time.monotonic() + a.load
+if a.say_ready:
+    import threading
+
+    def say():
+        time.sleep(a.load)
+        print("model loaded; serving", flush=True)
+
+    threading.Thread(target=say, daemon=True).start()
 
 class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -197,6 +206,19 @@ async def test_a_starting_engine_is_known_ready_soon_after_it_is_not_a_health_in
     sup = make_sup(health_interval=600.0)
     hits = tmp_path / "hits"
     await sup.start(leader(engine_py, "s1", None, "--delay", "0.3", "--load", "0.5", "--hits", str(hits)))
+    st = await sup.wait("s1", ShardState.READY, timeout=20)
+    assert st.state is ShardState.READY, st
+    assert hits.read_text().splitlines()[-2:] == ["/health ready", "/v1/models ready"]
+
+
+async def test_an_engine_saying_it_is_ready_is_checked_at_once_not_at_the_next_timed_probe(
+    make_sup, engine_py, tmp_path
+):
+    # The first timed probe after the first comes 30 s later: READY in the wait is the engine's lines' doing.
+    sup = make_sup(health_first=30.0, health_interval=600.0)
+    hits = tmp_path / "hits"
+    spec = leader(engine_py, "s1", None, "--delay", "0.3", "--load", "0.5", "--say-ready", "--hits", str(hits))
+    await sup.start(spec)
     st = await sup.wait("s1", ShardState.READY, timeout=20)
     assert st.state is ShardState.READY, st
     assert hits.read_text().splitlines()[-2:] == ["/health ready", "/v1/models ready"]
