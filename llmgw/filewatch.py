@@ -24,6 +24,7 @@ _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
 COALESCE_S = 0.05  # a burst of lines is one write: a chatty load costs at most 20 probes a second
 
+
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     # The C library this process already runs on (dlopen of the program itself): no search, no subprocess.

@@ -469,6 +469,18 @@ async def test_a_shorter_pace_counts_for_liveness_only_once_the_agent_has_report
     assert svc.liveness_after(node) == (15.0, 60.0)
 
 
+@pytest.mark.parametrize("env", [{"heartbeat_rate": 0.1, "check_interval": 3600}], indirect=True)
+async def test_the_streams_own_pings_are_stretched_with_the_pace_of_a_large_fleet(env):
+    svc, server, http = env
+    streams = []
+    for n in ("n1", "n2", "n3"):
+        streams.append(await connect(server, http, reg(n)))
+        await async_until(lambda n=n: svc.is_connected(n))
+    assert svc._conns["n1"].ws._heartbeat == 20.0  # a fleet of none: the plain 20 s
+    # Two nodes at a tenth of a heartbeat a second: a 20 s pace, and pings three paces apart.
+    assert svc._conns["n3"].ws._heartbeat == 60.0
+
+
 def test_a_heartbeat_rate_of_zero_is_refused():
     with pytest.raises(ValueError, match="heartbeat_rate must be above 0"):
         AgentService(heartbeat_rate=0)

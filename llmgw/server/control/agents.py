@@ -19,9 +19,10 @@ import datetime as dt
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Protocol
 
 import aiohttp
@@ -96,6 +97,7 @@ _CLOSE_GOING_AWAY = 1001
 PACE_FLOOR_S = 1.0  # a pace shorter than this is not asked for: every agent's own interval is longer
 PACE_SLACK = 1.2  # a pace within this factor of the one an agent keeps is not sent again
 PACE_MISSED = 3  # paced heartbeats missed before a node is unreachable (15 s at the default 5 s)
+WS_PING_S = 20.0  # the stream's own keepalive ping, at least this far apart
 
 
 class NodeState(StrEnum):
@@ -311,6 +313,12 @@ class AgentService:
     def nodes(self) -> list[Node]:
         return [self._nodes[k] for k in sorted(self._nodes)]
 
+    def node_map(self) -> Mapping[str, Node]:
+        """Every node by id, unsorted and not copied (a read-only view of the registry): for a
+        reader that looks nodes up, such as the reconciler's pass, which at 10,000 nodes would
+        otherwise sort and copy them on every pass."""
+        return MappingProxyType(self._nodes)
+
     def is_connected(self, node_id: str) -> bool:
         return node_id in self._conns
 
@@ -459,7 +467,12 @@ class AgentService:
             # travels in a header as well, for the agent to log.
             text = "this control plane is a standby and does not take agent streams; connect to the leader"
             return web.Response(status=503, reason=text, text=text + "\n", headers={REFUSAL_HEADER: text})
-        ws = web.WebSocketResponse(max_msg_size=self.max_msg_size, heartbeat=20.0)
+        # WebSocket pings find a stream whose other end vanished; a paced fleet's agents report
+        # seldom, and their pings are stretched with them, or at 10,000 nodes they would be 500
+        # a second, more than the heartbeats.
+        pace = self.pace()
+        ping = max(WS_PING_S, PACE_MISSED * pace) if pace is not None else WS_PING_S
+        ws = web.WebSocketResponse(max_msg_size=self.max_msg_size, heartbeat=ping)
         await ws.prepare(request)
         reg = await self._read_register(ws)
         if reg is None:

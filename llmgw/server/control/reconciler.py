@@ -778,7 +778,7 @@ class Reconciler:
         """One pass: fail, stop and release what must go; return the replicas to start.
         Synchronous, so it sees one consistent fleet."""
         now = self.clock()
-        nodes = {n.node_id: n for n in self.agents.nodes()}
+        nodes = self.agents.node_map()
         entries = {e.name: e for e in self.catalog.models() if e.model.managed}
         for r in list(self.replicas.values()):
             if r.stopping:
@@ -800,7 +800,7 @@ class Reconciler:
             return False
         return True
 
-    def _release_stopping(self, r: Replica, nodes: dict[str, Node], now: float) -> None:
+    def _release_stopping(self, r: Replica, nodes: Mapping[str, Node], now: float) -> None:
         """Forget a stopping replica once its nodes confirmed, were lost, or never answered."""
         for s in r.shards:
             n = nodes.get(s.node_id)
@@ -812,7 +812,7 @@ class Reconciler:
             log.warning("replica %s: no node confirmed it stopped within %.0fs; forgetting it", r.id, _STOP_GRACE_S)
             self._forget(r)
 
-    def _check_live(self, r: Replica, nodes: dict[str, Node], entries: dict[str, CatalogEntry], now: float) -> None:
+    def _check_live(self, r: Replica, nodes: Mapping[str, Node], entries: dict[str, CatalogEntry], now: float) -> None:
         """Fail a replica on a lost or removed node, or not ready past its startup_timeout; stop one
         the catalog no longer asks for."""
         # Lost or removed nodes: place the replica again elsewhere.
@@ -907,7 +907,7 @@ class Reconciler:
         b = self._backoff.get(model)
         return b is not None and now < b.next_at
 
-    def views(self, nodes: dict[str, Node]) -> list[NodeView]:
+    def views(self, nodes: Mapping[str, Node]) -> list[NodeView]:
         gpus: dict[str, set[int]] = {}
         mem: dict[str, float] = {}
         count: dict[str, int] = {}
