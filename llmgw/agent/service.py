@@ -278,6 +278,7 @@ class Agent:
             mgmt_addr=self.identity.mgmt_addr,
             mgmt_interface=self.identity.mgmt_interface,
             fabrics=list(fabrics.advertised),
+            heartbeat_interval=self.cfg.heartbeat_interval,
             fabric_problems=list(fabrics.problems),
             declared_fabrics=[
                 FabricAttachment(fabric=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in self.cfg.fabrics

@@ -279,6 +279,8 @@ class Register(Message):
     declared_fabrics: list[FabricAttachment] | None = None
     shards: list[RunningShard] | None = None  # all of them, every time
     weights: list[LocalWeights] | None = None
+    # agent.yaml's heartbeat_interval: a pace no longer than it is not sent.
+    heartbeat_interval: float | None = Field(default=None, gt=0)
 
 
 class Heartbeat(Message):

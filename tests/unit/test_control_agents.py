@@ -481,6 +481,21 @@ async def test_the_streams_own_pings_are_stretched_with_the_pace_of_a_large_flee
     assert svc._conns["n3"].ws._heartbeat == 60.0
 
 
+@pytest.mark.parametrize("env", [{"heartbeat_rate": 1.0, "check_interval": 3600}], indirect=True)
+async def test_an_agent_that_reports_as_seldom_as_the_pace_already_is_sent_none(env):
+    svc, server, http = env
+    slow = Register(node_id="n1", protocol_version=PROTOCOL_VERSION, features=["pace"], heartbeat_interval=10.0)
+    ws = await connect(server, http, slow)
+    for n in ("n2", "n3"):
+        await connect(server, http, reg(n))
+    await async_until(lambda: svc.get("n3") is not None)
+    # Three nodes at one heartbeat a second: a 3 s pace, shorter than the agent's own 10 s.
+    await ws.send_bytes(encode(Heartbeat(node_id="n1")))
+    await svc.send("n1", Provision(engines=[EngineWant(engine="llamacpp", version="b1")]))
+    assert isinstance(await recv(ws), Provision)
+    assert svc.get("n1").heartbeat_pace is None and svc.get("n1").own_heartbeat == 10.0
+
+
 def test_a_heartbeat_rate_of_zero_is_refused():
     with pytest.raises(ValueError, match="heartbeat_rate must be above 0"):
         AgentService(heartbeat_rate=0)

@@ -175,8 +175,10 @@ class Node:
     shards: dict[str, ShardStatus] = field(default_factory=dict)
     registered_shards: list[RunningShard] = field(default_factory=list)
     _seen_mono: float = 0.0  # monotonic clock of last_seen, for liveness
-    # The heartbeat interval this control plane asked of the agent (Pace); None: its own.
+    # The heartbeat interval this control plane asked of the agent (Pace); None: its own,
+    # which it said at registration (own_heartbeat; None from agents before protocol 3).
     heartbeat_pace: float | None = None
+    own_heartbeat: float | None = None
     # The longest interval the agent may still be keeping since its last message: a
     # shorter pace asked for counts only once a message shows it was taken.
     _pace_hold: float | None = None
@@ -448,6 +450,8 @@ class AgentService:
         if FEATURE_PACE not in (node.features or ()):
             return
         want = self.pace()
+        if want is not None and node.own_heartbeat is not None and want <= node.own_heartbeat:
+            want = None  # the agent reports at least this seldom already
         have = node.heartbeat_pace
         if want == have or (want is not None and have is not None and have / PACE_SLACK <= want <= have * PACE_SLACK):
             return
@@ -654,6 +658,7 @@ class AgentService:
         node.fabric_problems = reg.fabric_problems
         node.declared_fabrics = reg.declared_fabrics
         node.weights = reg.weights
+        node.own_heartbeat = reg.heartbeat_interval
         if reg.inventory is not None:
             node.memory = reg.inventory.memory or node.memory
             node.storage = reg.inventory.storage or node.storage
