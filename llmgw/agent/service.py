@@ -135,6 +135,7 @@ class Agent:
         self._outbox: asyncio.Queue[Message] | None = None
         # The heartbeat interval the control plane asked for (Pace): a large fleet reports less often.
         self._pace: float | None = None
+        self._kept_pace: float | None = None  # the pace of the previous connection
         self._specs: dict[str, StartShard] = {}  # as received, echoed back in registrations
         self._starting: dict[str, asyncio.Task] = {}
         self._fabrics_sent: FabricCheck | None = None  # the last fabrics check sent
@@ -209,7 +210,9 @@ class Agent:
 
     async def _session(self, ws: aiohttp.ClientWebSocketResponse, addr: str) -> None:
         self._outbox = asyncio.Queue()
-        self._pace = None  # each control plane (or restart of one) says its own
+        # Each control plane (or restart of one) says its own; the last one kept is said at
+        # registration, so a restarted control plane paces the fleet before it has it all back.
+        self._kept_pace, self._pace = self._pace, None
         await ws.send_bytes(encode(self._register()))
         # A control plane newly connected to learns the subnet managers with the first heartbeat.
         self._sm_due = 0.0
@@ -279,6 +282,7 @@ class Agent:
             mgmt_interface=self.identity.mgmt_interface,
             fabrics=list(fabrics.advertised),
             heartbeat_interval=self.cfg.heartbeat_interval,
+            heartbeat_pace=self._kept_pace,
             fabric_problems=list(fabrics.problems),
             declared_fabrics=[
                 FabricAttachment(fabric=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in self.cfg.fabrics

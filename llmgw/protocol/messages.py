@@ -281,6 +281,9 @@ class Register(Message):
     weights: list[LocalWeights] | None = None
     # agent.yaml's heartbeat_interval: a pace no longer than it is not sent.
     heartbeat_interval: float | None = Field(default=None, gt=0)
+    # The pace the agent kept on its previous connection: after a control-plane restart, how
+    # large the fleet was, before the registry has filled again.
+    heartbeat_pace: float | None = Field(default=None, gt=0)
 
 
 class Heartbeat(Message):

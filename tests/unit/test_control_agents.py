@@ -496,6 +496,33 @@ async def test_an_agent_that_reports_as_seldom_as_the_pace_already_is_sent_none(
     assert svc.get("n1").heartbeat_pace is None and svc.get("n1").own_heartbeat == 10.0
 
 
+@pytest.mark.parametrize("env", [{"heartbeat_rate": 1.0, "check_interval": 3600}], indirect=True)
+async def test_agents_coming_back_after_a_restart_are_paced_as_the_fleet_they_say_they_were_part_of(env):
+    svc, server, http = env
+    # The first agent back kept a 40 s pace with the control plane before this one: a fleet of 40.
+    back = Register(
+        node_id="n1", protocol_version=PROTOCOL_VERSION, features=["pace"], heartbeat_interval=5.0, heartbeat_pace=40.0
+    )
+    ws1 = await connect(server, http, back)
+    got = await recv(ws1)
+    assert isinstance(got, Pace) and got.heartbeat_interval == 40.0
+    # One that says nothing, registering while they come back, is paced as the same fleet.
+    ws2 = await connect(server, http, _paced("n2"))
+    got = await recv(ws2)
+    assert isinstance(got, Pace) and got.heartbeat_interval == 40.0
+    assert svc.liveness_after(svc.get("n2")) == (120.0, 480.0)
+    # Once nobody has said so for unreachable_after, the registry's count is the fleet again: two
+    # nodes, a 2 s pace, told with the answer to the next heartbeat.
+    svc._pace_said_until = 0.0
+    await ws2.send_bytes(encode(Heartbeat(node_id="n2")))
+    got = await recv(ws2)
+    assert isinstance(got, Pace) and got.heartbeat_interval == 2.0
+    # An agent's word is capped: it cannot leave the fleet silent for a day.
+    wild = Register(node_id="n3", protocol_version=PROTOCOL_VERSION, features=["pace"], heartbeat_pace=86400.0)
+    ws3 = await connect(server, http, wild)
+    assert (await recv(ws3)).heartbeat_interval == 300.0
+
+
 def test_a_heartbeat_rate_of_zero_is_refused():
     with pytest.raises(ValueError, match="heartbeat_rate must be above 0"):
         AgentService(heartbeat_rate=0)

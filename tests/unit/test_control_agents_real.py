@@ -117,6 +117,9 @@ async def test_the_real_agent_heartbeats_at_the_pace_the_control_plane_asks_for(
         gaps = [b - a for a, b in itertools.pairwise(beats[2:])]
         assert gaps and min(gaps) >= 0.9, gaps
         assert "asks for a heartbeat every 1s; reporting every 1s" in agent.log_path.read_text()
+        # Its stream dropped (as when a control plane restarts), it says at once the pace it kept.
+        await svc._conns["real-a"].ws.close()
+        await async_until(lambda: svc._pace_said == 1.0, 30, "the kept pace said again", detail=agent.log)
     finally:
         await agent.stop()
         await server.close()

@@ -97,6 +97,7 @@ _CLOSE_GOING_AWAY = 1001
 PACE_FLOOR_S = 1.0  # a pace shorter than this is not asked for: every agent's own interval is longer
 PACE_SLACK = 1.2  # a pace within this factor of the one an agent keeps is not sent again
 PACE_MISSED = 3  # paced heartbeats missed before a node is unreachable (15 s at the default 5 s)
+MAX_SAID_PACE_S = 300.0  # the longest pace a reconnecting agent's word can set for the fleet
 WS_PING_S = 20.0  # the stream's own keepalive ping, at least this far apart
 
 
@@ -263,6 +264,11 @@ class AgentService:
         self._register_listeners: list[RegisterListener] = []
         self._report_listeners: list[ReportListener] = []
         self._timer: asyncio.Task | None = None
+        # After a restart the registry fills one registration at a time, but the agents coming
+        # back say the pace they kept: the fleet they were part of. The longest said counts for
+        # the pace while such registrations keep coming (and unreachable_after after the last).
+        self._pace_said = 0.0
+        self._pace_said_until = 0.0
 
     # -- wiring ---------------------------------------------------------------
 
@@ -433,7 +439,21 @@ class AgentService:
         if self.heartbeat_rate is None:
             return None
         interval = len(self._nodes) / self.heartbeat_rate
+        if self._pace_said > interval and time.monotonic() < self._pace_said_until:
+            interval = self._pace_said  # a fleet reconnecting: as large as its agents say it was
         return round(interval, 1) if interval >= PACE_FLOOR_S else None
+
+    def _said_pace(self, reg: Register) -> None:
+        said = reg.heartbeat_pace
+        if said is None or self.heartbeat_rate is None:
+            return
+        now = time.monotonic()
+        if now >= self._pace_said_until:
+            self._pace_said = 0.0
+        # Capped: an agent's word must not leave the fleet silent for longer than a fleet of
+        # MAX_SAID_PACE_S × heartbeat_rate nodes would be.
+        self._pace_said = max(self._pace_said, min(said, MAX_SAID_PACE_S))
+        self._pace_said_until = now + self.unreachable_after
 
     def liveness_after(self, node: Node) -> tuple[float, float]:
         """unreachable_after and lost_after for one node: stretched by the pace it was asked to
@@ -496,6 +516,7 @@ class AgentService:
             self._fail_pending(old, f"node {claimed} connected again; the stream this request went down was closed")
             await old.ws.close(code=_CLOSE_GOING_AWAY, message=b"replaced by a newer connection from the same node")
         self._apply_register(reg, request.remote)
+        self._said_pace(reg)
         registered = self._nodes[claimed]
         registered.heartbeat_pace = registered._pace_hold = None  # a new session starts at the agent's own interval
         await self._send_pace(conn, registered)
