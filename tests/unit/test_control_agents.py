@@ -448,6 +448,10 @@ async def test_a_growing_fleet_is_asked_to_heartbeat_less_often_and_given_as_muc
     assert svc.get("n3").state == NodeState.UNREACHABLE and svc.get("n2").state == NodeState.LOST  # 4 s, unpaced
     await svc.check(now=t + 31.0)
     assert svc.get("n3").state == NodeState.LOST
+    # A paced node whose stream closed has no reports to wait for: the plain thresholds again.
+    await first.close()
+    await async_until(lambda: not svc.is_connected("n1"))
+    assert svc.liveness_after(svc.get("n1")) == (1.0, 4.0)
 
 
 @pytest.mark.parametrize("env", [{"heartbeat_rate": 1.0, "check_interval": 3600}], indirect=True)

@@ -533,6 +533,8 @@ class AgentService:
                 if node is not None:
                     node.connected = False
                     node.disconnected_at = time.time()
+                    # No stream, no paced reports to wait for: the plain thresholds from its last message.
+                    node._pace_hold = None
                 log.warning("the stream from node %s closed", claimed)
             self._fail_pending(conn, f"the stream to node {claimed} closed before it answered")
         return ws
