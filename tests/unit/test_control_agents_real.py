@@ -2,74 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import os
-import signal
-import sys
 import time
 
-import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from llmgw.protocol import LogsReply, LogsRequest
 from llmgw.server.control.agents import AgentService, NodeState
+from llmgw.testing.agent_process import AgentProcess, local_agent_config
 from llmgw.testing.waiting import async_until
-
-
-class RealAgent:
-    """`llmgw agent` as a child process, dialling ``port``, heartbeating every 200 ms of its own accord."""
-
-    def __init__(self, tmp_path, port: int) -> None:
-        self.cfg = tmp_path / "agent.yaml"
-        self.cfg.write_text(
-            yaml.safe_dump(
-                {
-                    "server": f"127.0.0.1:{port}",
-                    "tls": None,
-                    "node_id": "real-a",
-                    "heartbeat_interval": "200ms",
-                    "reconnect_base": "200ms",
-                    "reconnect_max": "1s",
-                    "weights_cache": str(tmp_path / "weights"),
-                    "engines_dir": str(tmp_path / "engines"),
-                    "supervisor": {"work_dir": str(tmp_path / "state")},
-                    "discovery": {"skip_gpus": True},
-                }
-            )
-        )
-        self.log_path = tmp_path / "agent.log"
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> asyncio.subprocess.Process:
-        with open(self.log_path, "wb") as out:  # noqa: ASYNC230  # a local log file for the child's stdout
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "llmgw.cli.main",
-                "agent",
-                "--config",
-                str(self.cfg),
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        return self.proc
-
-    def log(self) -> str:
-        return "agent log:\n" + self.log_path.read_text()[-4000:]
-
-    async def stop(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 async def _serve(svc: AgentService) -> TestServer:
@@ -83,7 +25,7 @@ async def _serve(svc: AgentService) -> TestServer:
 async def test_the_real_agent_registers_heartbeats_and_answers_a_request(tmp_path):
     svc = AgentService(check_interval=0.1)
     server = await _serve(svc)
-    agent = RealAgent(tmp_path, server.port)
+    agent = AgentProcess(tmp_path, local_agent_config(tmp_path, server.port))
     proc = await agent.start()
     try:
         await async_until(
@@ -107,7 +49,7 @@ async def test_the_real_agent_heartbeats_at_the_pace_the_control_plane_asks_for(
     server = await _serve(svc)
     beats: list[float] = []
     svc.on_report(lambda node: beats.append(time.monotonic()))
-    agent = RealAgent(tmp_path, server.port)
+    agent = AgentProcess(tmp_path, local_agent_config(tmp_path, server.port))
     proc = await agent.start()
     try:
         await async_until(lambda: len(beats) >= 5, 60, "five reports", detail=agent.log, alive=[proc])

@@ -38,6 +38,7 @@ from llmgw.protocol.inventory import Host
 from llmgw.protocol.weights_names import cache_name_of
 from llmgw.server.app import Server
 from llmgw.store import UsageRow
+from llmgw.testing.agent_process import AgentProcess, local_agent_config
 from llmgw.testing.ports import free_port as _port
 from llmgw.testing.waiting import async_until
 
@@ -520,11 +521,6 @@ async def test_weights_collect_on_a_real_agent_removes_a_removed_models_files_an
     """The real `llmgw agent` process: its cache holds a file a catalog model needs, a file and a set
     directory no model needs any more, and an operator's file beside them; a model directory holds
     another of the operator's. Collecting removes exactly the two unneeded entries."""
-    import os
-    import signal
-    import sys
-
-    import yaml
 
     from llmgw.agent.weights import COMPLETE_MARKER, cache_name
 
@@ -542,41 +538,12 @@ async def test_weights_collect_on_a_real_agent_removes_a_removed_models_files_an
         path.write_bytes(b"GGUF the operator's")
 
     srv = await _server(tmp_path, [_managed("kept", KEPT, min_=0)])
-    cfg = tmp_path / "agent.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "server": f"127.0.0.1:{srv.config.agent_listen.port}",
-                "tls": None,
-                "node_id": "real-a",
-                "heartbeat_interval": "200ms",
-                "reconnect_base": "200ms",
-                "reconnect_max": "1s",
-                "weights_cache": str(cache),
-                "model_dirs": [str(own_dir)],
-                "engines_dir": str(tmp_path / "engines"),
-                "supervisor": {"work_dir": str(tmp_path / "state")},
-                "discovery": {"skip_gpus": True},
-            }
-        )
+    agent = AgentProcess(
+        tmp_path,
+        local_agent_config(tmp_path, srv.config.agent_listen.port, weights_cache=str(cache), model_dirs=[str(own_dir)]),
     )
-    log_path = tmp_path / "agent.log"
-    with open(log_path, "wb") as out:  # noqa: ASYNC230  # a local log file for the child's stdout: nothing to wait on
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "llmgw.cli.main",
-            "agent",
-            "--config",
-            str(cfg),
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-
-    def agent_log() -> str:
-        return "agent log:\n" + log_path.read_text()[-4000:]
+    proc = await agent.start()
+    agent_log = agent.log
 
     try:
         await async_until(
@@ -603,11 +570,5 @@ async def test_weights_collect_on_a_real_agent_removes_a_removed_models_files_an
             detail=agent_log,
         )
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await agent.stop()
         await srv.stop()
