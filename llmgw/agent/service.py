@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ipaddress
 import logging
 import time
@@ -136,6 +137,7 @@ class Agent:
         # The heartbeat interval the control plane asked for (Pace): a large fleet reports less often.
         self._pace: float | None = None
         self._kept_pace: float | None = None  # the pace of the previous connection
+        self._pace_changed = asyncio.Event()
         self._specs: dict[str, StartShard] = {}  # as received, echoed back in registrations
         self._starting: dict[str, asyncio.Task] = {}
         self._fabrics_sent: FabricCheck | None = None  # the last fabrics check sent
@@ -244,9 +246,19 @@ class Agent:
             await ws.send_bytes(encode(msg))
 
     async def _heartbeat_loop(self) -> None:
+        # Due one interval after the last report (the registration first); a pace that arrives
+        # meanwhile moves the due time at once, so the first report after a pace is already paced
+        # (a restarted control plane asks for it while every agent is registering).
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            wait = last + self.heartbeat_interval - time.monotonic()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._pace_changed.wait(), wait)
+                self._pace_changed.clear()
+                continue
             self.send(await self._heartbeat())
+            last = time.monotonic()
 
     @property
     def heartbeat_interval(self) -> float:
@@ -256,6 +268,7 @@ class Agent:
     def _set_pace(self, msg: Pace) -> None:
         before = self.heartbeat_interval
         self._pace = msg.heartbeat_interval
+        self._pace_changed.set()
         if self.heartbeat_interval != before:
             log.info(
                 "the control plane asks for a heartbeat every %gs; reporting every %gs (heartbeat_interval %gs)",

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import BUILD_TIMEOUT, REPO, LlamaServer, require
+from harness import BUILD_TIMEOUT, REPO, LlamaServer, Proc, free_port, require, wait_http
 
 SPEC = REPO / "build" / "pyinstaller.spec"
 
@@ -35,6 +35,27 @@ def tiny_model() -> Path:
         return tiny_model_path()
     except Exception as exc:  # the vocabulary comes from the llama-cpp-python sdist
         require("the tiny model", f"the tiny test model could not be written: {exc}")
+
+
+@pytest.fixture
+def fake_engine(tmp_path):
+    """The fake engine (llmgw.testing.fake_engine) in its own process, and the models entry that
+    serves it as model "fake"."""
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "llmgw.testing.fake_engine", "--port", str(port)], tmp_path / "engine.log")
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc.proc, 30, proc.log)
+        yield (
+            proc,
+            [
+                {
+                    "name": "fake",
+                    "endpoints": [{"url": f"http://127.0.0.1:{port}", "engine": "llamacpp", "model": "fake-model"}],
+                }
+            ],
+        )
+    finally:
+        proc.kill()
 
 
 @pytest.fixture

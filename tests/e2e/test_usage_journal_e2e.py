@@ -8,14 +8,13 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import orjson
 import pytest
-from harness import Gateway, Proc, free_port, llmgw_cmd, wait_http, wait_until
+from harness import Gateway, Proc, free_port, llmgw_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -126,30 +125,10 @@ def _chat(client: httpx.Client, n: int) -> None:
         assert r.status_code == 200, r.text
 
 
-@pytest.fixture
-def engine(tmp_path):
-    """The fake engine in its own process, and the models entry that serves it."""
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "llmgw.testing.fake_engine", "--port", str(port)], tmp_path / "engine.log")
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc.proc, 30, proc.log)
-        yield (
-            proc,
-            [
-                {
-                    "name": "fake",
-                    "endpoints": [{"url": f"http://127.0.0.1:{port}", "engine": "llamacpp", "model": "fake-model"}],
-                }
-            ],
-        )
-    finally:
-        proc.kill()
-
-
 def test_rows_queued_while_the_store_is_unreachable_are_stored_exactly_once_after_a_restart(
-    tmp_path, pg_address, engine
+    tmp_path, pg_address, fake_engine
 ):
-    engine_proc, models = engine
+    engine_proc, models = fake_engine
     proxy = CuttableProxy(("127.0.0.1", 5432))
     proxy.start()
     through_proxy = pg_address.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
@@ -237,8 +216,8 @@ def test_rows_queued_while_the_store_is_unreachable_are_stored_exactly_once_afte
         proxy.cut()
 
 
-def test_a_locked_sqlite_store_holds_the_final_flush_no_longer_than_its_limit(tmp_path, engine):
-    engine_proc, models = engine
+def test_a_locked_sqlite_store_holds_the_final_flush_no_longer_than_its_limit(tmp_path, fake_engine):
+    engine_proc, models = fake_engine
     store = str(tmp_path / "llmgw.db")
     gw = Gateway(tmp_path, models, store=store, timeouts={"drain": "2s"}, usage={"final_flush": "1s"})
     procs = [engine_proc, gw]

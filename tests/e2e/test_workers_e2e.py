@@ -8,12 +8,11 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 
 import aiohttp
 import httpx
 import pytest
-from harness import Gateway, Proc, free_port, wait_http
+from harness import Gateway
 
 from llmgw.testing.waiting import until
 
@@ -25,14 +24,8 @@ BOUND = LIMIT + 2 * (LIMIT // 10)
 
 
 @pytest.fixture
-def engine(tmp_path):
-    port = free_port()
-    proc = Proc([sys.executable, "-m", "llmgw.testing.fake_engine", "--port", str(port)], tmp_path / "engine.log")
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc.proc, 30, proc.log)
-        yield [{"name": "fake", "endpoints": [{"url": f"http://127.0.0.1:{port}", "engine": "llamacpp", "model": "m"}]}]
-    finally:
-        proc.kill()
+def engine(fake_engine):
+    return fake_engine[1]
 
 
 def _worker_counts(gw: Gateway) -> dict[str, float]:
