@@ -93,11 +93,10 @@ ready_at = time.monotonic() + a.load
 if a.say_ready:
     import threading
 
-    def say():
-        time.sleep(a.load)
-        print("model loaded; serving", flush=True)
-
-    threading.Thread(target=say, daemon=True).start()
+    # The engine's own line at the moment its load ends (ready_at), as a real engine prints one.
+    say = threading.Timer(a.load, lambda: print("model loaded; serving", flush=True))
+    say.daemon = True
+    say.start()
 
 class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):

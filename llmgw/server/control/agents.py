@@ -832,9 +832,7 @@ class AgentService:
         now = time.monotonic() if now is None else now
         for node in self._nodes.values():
             age = now - node._seen_mono
-            unreachable_after, lost_after = (
-                (self.unreachable_after, self.lost_after) if node._pace_hold is None else self.liveness_after(node)
-            )
+            unreachable_after, lost_after = self.liveness_after(node)
             if age >= lost_after and node.state != NodeState.LOST:
                 if node.unreachable_since is None:
                     node.unreachable_since = time.time()

@@ -124,13 +124,6 @@ class AuthError(LlmgwError):
 MISS_RECHECK_S = 0.1  # an unknown key looks in the store at most this often
 
 
-def _well_formed(header: str | None) -> bool:
-    if not header or not header.isascii():
-        return False
-    scheme, _, secret = header.partition(" ")
-    return scheme.lower() == "bearer" and bool(secret.strip())
-
-
 class KeyCache:
     """Maps sha256(secret) to a principal; revoked keys are kept to say so."""
 
@@ -196,9 +189,7 @@ class KeyCache:
         while True:
             await asyncio.sleep(self._poll)
             try:
-                if await self._source.keys_generation() != self._generation:
-                    await self.load()
-                    log.info("API keys reloaded: %d active", len(self._active))
+                await self._reload_if_changed()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -206,29 +197,31 @@ class KeyCache:
                 self.reload_failures += 1
                 log.warning("could not check the store for key changes: %s", exc)
 
+    async def _reload_if_changed(self) -> None:
+        if await self._source.keys_generation() != self._generation:
+            await self.load()
+            log.info("API keys reloaded: %d active", len(self._active))
+
     async def authenticate_current(self, header: str | None) -> Principal:
         """authenticate(), except that a key the cache does not know sends it to the store first
         when the keys there changed since it loaded: a key made a moment ago (by `llmgw up`, by
         another serving process or control plane) is served before the next poll.  A flood of
         unknown keys costs at most one generation check every MISS_RECHECK_S, shared by all
         (an unknown key waits for the next one, so it is answered within MISS_RECHECK_S)."""
-        try:
-            return self.authenticate(header)
-        except AuthError as exc:
-            if exc.code != "invalid_api_key" or not _well_formed(header):
-                raise
+        digest = self._digest(header)
+        if digest in self._active or digest in self._revoked or digest in self._suspended:
+            return self._lookup(digest)
         if self._recheck is None:
             wait = self._rechecked + MISS_RECHECK_S - time.monotonic()
             self._recheck = asyncio.create_task(self._check_now(max(wait, 0.0)), name="key cache: recheck")
         await asyncio.shield(self._recheck)
-        return self.authenticate(header)
+        return self._lookup(digest)
 
     async def _check_now(self, after: float) -> None:
         try:
             if after > 0:
                 await asyncio.sleep(after)
-            if await self._source.keys_generation() != self._generation:
-                await self.load()
+            await self._reload_if_changed()
         except Exception as exc:
             self.reload_failures += 1
             log.warning("could not check the store for a key it does not know: %s", exc)
@@ -237,6 +230,11 @@ class KeyCache:
             self._recheck = None
 
     def authenticate(self, header: str | None) -> Principal:
+        return self._lookup(self._digest(header))
+
+    @staticmethod
+    def _digest(header: str | None) -> str:
+        """The key's SHA-256 from an Authorization header, or the refusal of a malformed one."""
         if not header:
             raise AuthError("no api key was provided; send it as 'Authorization: Bearer <key>'", "missing_api_key")
         if not header.isascii():
@@ -249,7 +247,9 @@ class KeyCache:
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise AuthError("the Authorization header should be 'Bearer <key>'", "invalid_api_key")
-        digest = hashlib.sha256(secret.strip().encode()).hexdigest()
+        return hashlib.sha256(secret.strip().encode()).hexdigest()
+
+    def _lookup(self, digest: str) -> Principal:
         p = self._active.get(digest)
         if p is None:
             when = self._revoked.get(digest)
