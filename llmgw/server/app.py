@@ -21,6 +21,7 @@ from llmgw.config.server import EndpointConfig, ServerConfig, resolve_workers
 from llmgw.config.types import ListenAddress
 from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError
+from llmgw.gcfreeze import GcFreezer
 from llmgw.gguf import check_gguf_url
 from llmgw.httpserve import Runner, begin_drain, drain
 from llmgw.pki import PKIError, peer_node_id, server_context
@@ -521,6 +522,7 @@ class Server:
             unreachable_after=c.unreachable_after,
             lost_after=c.lost_after,
             heartbeat_rate=c.heartbeat_rate,
+            freezer=GcFreezer(),
         )
         fabrics = self.fabrics = FabricService(self.agents, scan_interval=c.fabric_scan_interval)
         app = web.Application()

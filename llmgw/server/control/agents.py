@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from llmgw.errors import LlmgwError
+from llmgw.gcfreeze import GcFreezer
 from llmgw.pki import check_claim
 from llmgw.protocol import (
     FEATURE_DRAIN,
@@ -239,6 +240,7 @@ class AgentService:
         check_interval: float = 1.0,
         register_timeout: float = 10.0,
         max_msg_size: int = 64 << 20,
+        freezer: GcFreezer | None = None,
     ) -> None:
         if not 0 < unreachable_after < lost_after:
             raise ValueError(
@@ -257,6 +259,9 @@ class AgentService:
         self.check_interval = check_interval
         self.register_timeout = register_timeout
         self.max_msg_size = max_msg_size
+        # The process's collector, kept off the registry as it grows (llmgw.gcfreeze): the server
+        # hands one in; tests and in-process benchmarks leave the collector alone.
+        self.freezer = freezer
         self._nodes: dict[str, Node] = {}
         self._conns: dict[str, _Conn] = {}
         self._ids = itertools.count(1)
@@ -281,12 +286,16 @@ class AgentService:
     async def start(self) -> None:
         if self._timer is None:
             self._timer = asyncio.create_task(self._liveness_loop(), name="agent liveness")
+        if self.freezer is not None:
+            await self.freezer.start()
 
     async def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             await asyncio.gather(self._timer, return_exceptions=True)
             self._timer = None
+        if self.freezer is not None:
+            await self.freezer.close()
         for conn in list(self._conns.values()):
             await conn.ws.close(code=_CLOSE_GOING_AWAY, message=b"the control plane is shutting down")
 
@@ -516,6 +525,8 @@ class AgentService:
             self._fail_pending(old, f"node {claimed} connected again; the stream this request went down was closed")
             await old.ws.close(code=_CLOSE_GOING_AWAY, message=b"replaced by a newer connection from the same node")
         self._apply_register(reg, request.remote)
+        if self.freezer is not None:
+            self.freezer.grew(len(self._nodes))
         self._said_pace(reg)
         registered = self._nodes[claimed]
         registered.heartbeat_pace = registered._pace_hold = None  # a new session starts at the agent's own interval
@@ -537,6 +548,8 @@ class AgentService:
                     node._pace_hold = None
                 log.warning("the stream from node %s closed", claimed)
             self._fail_pending(conn, f"the stream to node {claimed} closed before it answered")
+            if self.freezer is not None:
+                self.freezer.released()  # its connection's cycles may be frozen
         return ws
 
     async def _read_register(self, ws: web.WebSocketResponse) -> Register | None:
