@@ -16,7 +16,7 @@ leaves such cycles (transport, protocol, WebSocket, futures), so the owner says 
 go, and once a step's worth have gone the freezer thaws, in its own task a moment later (the closing
 code still holds what it let go when it says so): unfreeze, one full collection, freeze again. That
 pause grows with the registry but comes once per step of churn, so per agent it stays flat; a
-thaw also comes every ``thaw_interval`` seconds for whatever else that was frozen has become garbage.
+thaw also comes every ``thaw_interval`` seconds when anything at all was let go since the last.
 
 The collector is the process's, so the process owner (the server) makes one freezer and hands it to
 the registry it is for. A thaw also unfreezes what the server froze once at start-up (its modules and
@@ -136,7 +136,10 @@ class GcFreezer:
             except TimeoutError:
                 pass
             self._due.clear()
-            if self.frozen_size:
+            # A fleet that let nothing go since the last thaw is left unpaused: closed streams are
+            # what leaves frozen cycles; whatever else was frozen in flight is bounded by the few
+            # moments a freeze or thaw happened at.
+            if self.frozen_size and self.released_since:
                 self.thaw()
             else:
                 self._last_thaw = time.monotonic()

@@ -74,16 +74,19 @@ def test_nothing_is_thawed_while_nothing_was_frozen():
     assert (f.thaws, gc.get_freeze_count()) == (0, 0)
 
 
-async def test_the_periodic_thaw_frees_cycles_left_by_what_was_frozen():
-    f = GcFreezer(first=1, thaw_interval=0.05)
+async def test_the_periodic_thaw_comes_only_once_something_was_let_go_and_frees_what_it_left():
+    f = GcFreezer(first=5, thaw_interval=0.05)
     dropped = Stream()
     gone = weakref.ref(dropped)
-    f.grew(1)
+    f.grew(5)
     del dropped
     await f.start()
     try:
+        await asyncio.sleep(0.3)  # a pause, not a wait: six intervals with nothing let go, so no thaw
+        assert f.thaws == 0 and gone() is not None
+        assert not f.released()  # one, below the step of five: only the periodic thaw comes of it
         await async_until(lambda: gone() is None, what="the periodic thaw to collect the frozen cycle")
-        assert f.thaws >= 1 and f.released_since == 0
+        assert f.thaws == 1 and f.released_since == 0
     finally:
         await f.close()
 
