@@ -409,6 +409,10 @@ async def _gateways(tmp_path, store: str, n: int = 2, tokens: int = 5, **auth):
                 "data_dir": str(tmp_path / f"gw{i}"),
                 "auth": {"store": store, "pricing": {"m": {"prompt_per_1k": 1.0, "completion_per_1k": 2.0}}, **auth},
                 "usage": {"flush_interval": "100ms"},
+                # The engine shares the test's loop with 500 requests at once: a probe timing out behind
+                # them (2 s at the default interval) would take the engine out and answer 503s that are
+                # no part of what is tested. The probe's timeout is twice the interval.
+                "router": {"scrape_interval": "10s"},
                 "models": [{"name": "m", "endpoints": [{"url": engine.url, "engine": "llamacpp"}]}],
             }
             srv = Server(parse_server_config(cfg))
