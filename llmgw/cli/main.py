@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from importlib import import_module
+
 import typer
 
 from llmgw import __version__
-from llmgw.cli import agent, ctl, doctor, keys, mirror, node, org, server, up, users
 
-app = typer.Typer(
-    name="llmgw",
-    help="Self-hosted LLM gateway: one OpenAI-compatible URL, with API keys, in front of your inference engines.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+# Each command's module is loaded only when that command runs: importing every group costs
+# a second of CPU, which `llmgw agent` on a node, and each of `llmgw up`'s three processes
+# starting side by side, would otherwise pay for commands they never run. Help, and a name
+# that is no command, load them all. The order is the order of the help.
+COMMANDS: dict[str, tuple[str, str | None]] = {  # name: (module, its function; None: the module's group `app`)
+    "server": ("llmgw.cli.server", None),
+    "keys": ("llmgw.cli.keys", None),
+    "users": ("llmgw.cli.users", None),
+    "org": ("llmgw.cli.org", None),
+    "agent": ("llmgw.cli.agent", None),
+    "ctl": ("llmgw.cli.ctl", None),
+    "node": ("llmgw.cli.node", None),
+    "mirror": ("llmgw.cli.mirror", None),
+    "up": ("llmgw.cli.up", "up"),
+    "doctor": ("llmgw.cli.doctor", "doctor"),
+}
 
 
 def _version(value: bool) -> None:
@@ -23,7 +34,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
@@ -32,20 +42,47 @@ def _root(
     """Self-hosted LLM gateway: one OpenAI-compatible URL, with API keys, in front of your inference engines."""
 
 
-app.add_typer(server.app, name="server")
-app.add_typer(keys.app, name="keys")
-app.add_typer(users.app, name="users")
-app.add_typer(org.app, name="org")
-app.add_typer(agent.app, name="agent")
-app.add_typer(ctl.app, name="ctl")
-app.add_typer(node.app, name="node")
-app.add_typer(mirror.app, name="mirror")
-app.command("up", help=up.up.__doc__)(up.up)
-app.command("doctor", help=doctor.doctor.__doc__)(doctor.doctor)
+def build(names: Sequence[str] = tuple(COMMANDS)) -> typer.Typer:
+    """The command with ``names`` (every command by default) loaded into it."""
+    cli = typer.Typer(
+        name="llmgw",
+        help="Self-hosted LLM gateway: one OpenAI-compatible URL, with API keys, in front of your inference engines.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    cli.callback()(_root)
+    for name in names:
+        module, function = COMMANDS[name]
+        loaded = import_module(module)
+        if function is None:
+            cli.add_typer(loaded.app, name=name)
+        else:
+            command = getattr(loaded, function)
+            cli.command(name, help=command.__doc__)(command)
+    return cli
+
+
+def wanted(argv: Sequence[str]) -> tuple[str, ...]:
+    """The one command ``argv`` runs when its first word names one; every command otherwise."""
+    first = next((word for word in argv if not word.startswith("-")), None)
+    if first in COMMANDS and not any(word in ("-h", "--help") for word in argv[: argv.index(first)]):
+        return (first,)
+    return tuple(COMMANDS)
+
+
+def __getattr__(name: str) -> typer.Typer:
+    # `from llmgw.cli.main import app` (the tests' CliRunner) gets every command, built once.
+    if name == "app":
+        app = build()
+        globals()["app"] = app
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:
-    app()
+    build(wanted(sys.argv[1:]))()
 
 
 if __name__ == "__main__":

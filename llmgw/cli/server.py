@@ -29,7 +29,8 @@ def server(
     if ctx.invoked_subcommand is not None:
         return
     from llmgw.runtime import run_until_stopped, setup_logging
-    from llmgw.server.app import StartError, serve_until_stopped
+    from llmgw.server import StartError
+    from llmgw.server.app import serve_until_stopped
 
     if worker is not None:
         # One of the server's workers (server/workers.py): its configuration comes from the server process.

@@ -49,7 +49,7 @@ def up(
     connected over mutual TLS that installs llama.cpp and serves the model from the mirror, and an API key. Ctrl-C
     stops it all, engines included."""
     from llmgw.pki import PKIError
-    from llmgw.server.app import StartError
+    from llmgw.server import StartError
     from llmgw.up import UpError
     from llmgw.up.main import Options, run
 

@@ -19,12 +19,12 @@ from aiohttp.typedefs import Middleware
 from llmgw import __version__
 from llmgw.config.server import EndpointConfig, ServerConfig, resolve_workers
 from llmgw.config.types import ListenAddress
-from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError
 from llmgw.gcfreeze import GcFreezer
 from llmgw.gguf import check_gguf_url
 from llmgw.httpserve import Runner, begin_drain, drain
 from llmgw.pki import PKIError, peer_node_id, server_context
+from llmgw.server import StartError
 from llmgw.server.admin.access import AccessError, AdminAccess, ensure_first_token
 from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
 from llmgw.server.control.agents import AgentService
@@ -65,10 +65,6 @@ from llmgw.store import PublishedEndpoint, Store
 
 log = logging.getLogger("llmgw.server")
 LISTEN_BACKLOG = 4096  # connections the kernel queues before the server accepts them
-
-
-class StartError(LlmgwError):
-    """The server could not start; the message says why and what to change."""
 
 
 def _endpoint_key(model: str, e: EndpointConfig) -> str | None:

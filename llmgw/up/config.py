@@ -101,6 +101,10 @@ def write_server_config(
         "listen": f"{host}:{port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
         "metrics_listen": None,
+        # One serving process: up's engine is llama.cpp on this same machine, and it, not the gateway,
+        # bounds what is served; a second process would take a second of CPU from start-up (on two
+        # cores, most of a second to the key) and memory from the engine.
+        "workers": 1,
         "agent_listen": f"127.0.0.1:{agent_port}",
         "agent_tls": {"ca": str(pki.ca), "cert": str(pki.server), "key": str(pki.server_key)},
         # One node on loopback, heartbeating every 2s: react within a second. The one agent is known,

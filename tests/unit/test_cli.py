@@ -1,5 +1,7 @@
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -8,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from llmgw import __version__
-from llmgw.cli.main import app
+from llmgw.cli.main import COMMANDS, app, wanted
 
 runner = CliRunner()
 
@@ -21,6 +23,28 @@ def test_cli_version_prints_llmgw_and_the_package_version():
     r = run("--version")
     assert r.exit_code == 0
     assert re.fullmatch(r"llmgw v\d+\.\d+\.\d+\n", r.output) and r.output.split()[-1] == f"v{__version__}"
+
+
+def test_the_command_named_first_is_the_only_one_loaded_and_help_or_a_typo_loads_them_all():
+    assert wanted(["up", "--port", "8081"]) == ("up",)
+    assert wanted(["ctl", "nodes", "--help"]) == ("ctl",)
+    every = tuple(COMMANDS)
+    assert wanted([]) == wanted(["--help"]) == wanted(["-h", "up"]) == wanted(["nosuch"]) == every
+    assert {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups} == set(every)
+
+
+def test_llmgw_up_starts_without_loading_the_other_commands_or_the_server():
+    # up loads the server's code while its mirror and agent start, so its own start must not.
+    probe = (
+        "import sys\n"
+        "from llmgw.cli.main import build, wanted\n"
+        "build(wanted(sys.argv[1:]))\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('llmgw.'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, "up", "--offline"], capture_output=True, text=True, check=True)
+    loaded = set(out.stdout.split())
+    assert "llmgw.cli.up" in loaded
+    assert not loaded & {"llmgw.cli.ctl", "llmgw.cli.agent", "llmgw.cli.server", "llmgw.server.app"}, loaded
 
 
 def test_every_command_has_help():
