@@ -1,8 +1,8 @@
 """Keeping CPython's full garbage collections off a large, long-lived registry.
 
 The cyclic collector walks every object it tracks on each full (generation 2) collection. A control
-plane with 10,000 agents connected holds about a million long-lived objects (node records with their
-inventories, TLS sessions, WebSocket streams), and while a fleet registers, full collections keep
+plane with 10,000 agents connected holds about two million long-lived objects (node records with
+their inventories, TLS sessions, WebSocket streams), and while a fleet registers, full collections keep
 coming: measured in-process, their time per registration grew from 48 µs at 1,000 nodes to 218 µs at
 10,000, which made a connection storm cost more per agent the larger the fleet.
 
@@ -53,7 +53,7 @@ class GcFreezer:
         self.released_since = 0  # long-lived things let go since the last freeze or thaw
         self.freezes = 0
         self.thaws = 0
-        self.last_pause_s = 0.0  # the last freeze's or thaw's collection, for the log and metrics
+        self.last_pause_s = 0.0  # the last freeze's or thaw's collection, as logged
         self._last_thaw = time.monotonic()
         self._due = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
