@@ -6,10 +6,12 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from llmgw.errors import LlmgwError
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-class TreeError(Exception):
+class TreeError(LlmgwError):
     """A baseline that cannot be exported; the message says which and why."""
 
 
