@@ -53,7 +53,6 @@ class GcFreezer:
         self.released_since = 0  # long-lived things let go since the last freeze or thaw
         self.freezes = 0
         self.thaws = 0
-        self.last_pause_s = 0.0  # the last freeze's or thaw's collection, as logged
         self._last_thaw = time.monotonic()
         self._due = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -71,14 +70,14 @@ class GcFreezer:
         # only what was not frozen before, so its cost is the step's, not the registry's.
         gc.collect()
         gc.freeze()
-        self.last_pause_s = time.perf_counter() - started
+        pause = time.perf_counter() - started
         self.frozen_size = size
         self.freezes += 1
         log.info(
             "registry at %d: %d objects frozen out of full garbage collections (%.0f ms)",
             size,
             gc.get_freeze_count(),
-            self.last_pause_s * 1000,
+            pause * 1000,
         )
         return True
 
@@ -94,6 +93,23 @@ class GcFreezer:
         self._due.set()
         return True
 
+    @property
+    def due(self) -> bool:
+        """A step's worth have been let go and the thaw loop has not thawed yet."""
+        return self._due.is_set()
+
+    def periodic(self) -> bool:
+        """The thaw loop's check, every ``thaw_interval`` or when a thaw is due: thaw (True) when
+        anything was let go since the last thaw. A fleet that let nothing go is left unpaused:
+        closed streams are what leaves frozen cycles; whatever else was frozen in flight is bounded
+        by the few moments a freeze or thaw happened at."""
+        self._due.clear()
+        if self.frozen_size and self.released_since:
+            self.thaw()
+            return True
+        self._last_thaw = time.monotonic()
+        return False
+
     def thaw(self) -> None:
         """Unfreeze, collect everything once (the cycles frozen objects left behind) and freeze again."""
         if not self.frozen_size:
@@ -102,7 +118,7 @@ class GcFreezer:
         gc.unfreeze()
         freed = gc.collect()
         gc.freeze()
-        self.last_pause_s = time.perf_counter() - started
+        pause = time.perf_counter() - started
         self.released_since = 0
         self._due.clear()
         self.thaws += 1
@@ -110,7 +126,7 @@ class GcFreezer:
         log.info(
             "thawed the frozen heap: %d unreachable objects collected in %.0f ms, %d frozen again",
             freed,
-            self.last_pause_s * 1000,
+            pause * 1000,
             gc.get_freeze_count(),
         )
 
@@ -135,11 +151,4 @@ class GcFreezer:
                 await asyncio.sleep(self.settle)
             except TimeoutError:
                 pass
-            self._due.clear()
-            # A fleet that let nothing go since the last thaw is left unpaused: closed streams are
-            # what leaves frozen cycles; whatever else was frozen in flight is bounded by the few
-            # moments a freeze or thaw happened at.
-            if self.frozen_size and self.released_since:
-                self.thaw()
-            else:
-                self._last_thaw = time.monotonic()
+            self.periodic()
