@@ -715,6 +715,17 @@ class Accountant:
             except AllowancePending as again:
                 pending = again
 
+    async def admit(
+        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+    ) -> Reservation:
+        """check(), and with shared limits the wait for a refill (refilled()) a short share asks for:
+        what the request path calls. A worker's accountant (limits_ipc.py) answers the same call by
+        asking the server process's accountant."""
+        try:
+            return self.check(principal, model, estimated_prompt, estimated_completion)
+        except AllowancePending as pending:
+            return await self.refilled(pending, principal, model, estimated_prompt, estimated_completion)
+
     @staticmethod
     def _refund(taken: list[tuple[_Window, int, float]] | tuple, now: float) -> None:
         for w, sec, amount in taken:

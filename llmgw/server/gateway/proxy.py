@@ -36,7 +36,7 @@ from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.conversations import THREAD_HEADER
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_body, error_response
-from llmgw.server.gateway.limits import Accountant, AllowancePending, LimitError, Pricing, Reservation
+from llmgw.server.gateway.limits import Accountant, LimitError, Pricing, Reservation
 from llmgw.server.gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -426,11 +426,7 @@ class Gateway:
         if accountant is not None and (principal.pools or principal.models is not None):
             estimate = _estimate(raw, call.out_limit, served)
             try:
-                try:
-                    res = call.res = accountant.check(principal, served.name, *estimate)
-                except AllowancePending as pending:
-                    # Shared limits: this gateway's share ran short and a refill is on its way.
-                    res = call.res = await accountant.refilled(pending, principal, served.name, *estimate)
+                res = call.res = await accountant.admit(principal, served.name, *estimate)
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
                 return error_response(
