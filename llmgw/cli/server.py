@@ -23,7 +23,9 @@ def server(
     ctx: typer.Context,
     config: str = typer.Option(DEFAULT_CONFIG_PATH, "--config", "-c", help="Path of server.yaml."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
-    worker: str = typer.Option(None, "--worker", hidden=True, help="SLOT:FD:N, given by `llmgw server` itself."),
+    worker: str = typer.Option(
+        None, "--worker", hidden=True, help="SLOT:FD:N:LIMITS_FD, given by `llmgw server` itself."
+    ),
 ) -> None:
     """Run the gateway: the OpenAI-compatible API on `listen`, the admin API and metrics on `admin_listen`, metrics on `metrics_listen`."""
     if ctx.invoked_subcommand is not None:
@@ -38,8 +40,8 @@ def server(
 
         setup_logging(log_level)
         try:
-            slot, fd, count = parse_worker_arg(worker)
-            run_until_stopped(partial(serve_worker, slot, fd, count))
+            slot, fd, count, limits_fd = parse_worker_arg(worker)
+            run_until_stopped(partial(serve_worker, slot, fd, count, limits_fd))
         except (StartError, WorkerError) as exc:
             fail(str(exc))
         return

@@ -458,8 +458,8 @@ class AuthConfig(_Block):
         default=None,
         description="Hold requests and tokens per minute and budgets across every gateway on this store, "
         "not once per process: each gateway leases shares of a pool's limit from the store (docs/gateway.md, "
-        "Limits across gateways). null: on when the store is PostgreSQL; true also on SQLite (two processes "
-        "on one file); false: each gateway counts alone.",
+        "Limits across gateways). null: on when the store is PostgreSQL; true also on SQLite (two servers "
+        "on one file); false: each server counts alone (its workers always share its one accountant).",
     )
     signup_open: bool = Field(
         default=False,
@@ -868,13 +868,10 @@ MAX_AUTO_WORKERS = 8  # beyond this the store's rounds, not the cores, are what 
 MAX_WORKERS = 64
 
 
-def resolve_workers(setting: int | str, cores: int | None = None, shared_limits: bool | None = None) -> int:
-    """How many serving processes `workers` stands for on this machine; auto is one where limits
-    are not to be shared (auth.shared_limits: false), since workers hold them through the store."""
+def resolve_workers(setting: int | str, cores: int | None = None) -> int:
+    """How many serving processes `workers` stands for on this machine: auto is one per core."""
     if setting != "auto":
         return int(setting)
-    if shared_limits is False:
-        return 1
     if cores is None:
         try:
             cores = len(os.sched_getaffinity(0))
@@ -889,9 +886,9 @@ class ServerConfig(_Block):
     listen: Listen = Field(default=parse_listen(":8080"), description="Client API (OpenAI-compatible).")
     workers: int | Literal["auto"] = Field(
         default="auto",
-        description="Processes serving the client API on `listen` together (SO_REUSEPORT), limits and budgets "
-        "held across them (docs/gateway.md, Workers). auto: one per core this process may run on, at most "
-        f"{MAX_AUTO_WORKERS} (1 with auth.shared_limits: false); 1: the server process alone.",
+        description="Processes serving the client API on `listen` together (SO_REUSEPORT); one accountant, the "
+        "server process's, holds limits and budgets across them (docs/gateway.md, Workers). auto: one per core "
+        f"this process may run on, at most {MAX_AUTO_WORKERS}; 1: the server process alone.",
     )
     admin_listen: Listen = Field(
         default=parse_listen("127.0.0.1:9090"), description="Admin API and metrics; loopback by default."
@@ -957,11 +954,6 @@ class ServerConfig(_Block):
 
     @model_validator(mode="after")
     def _unique_names(self) -> ServerConfig:
-        if self.auth.shared_limits is False and isinstance(self.workers, int) and self.workers > 1:
-            raise ValueError(
-                f"workers is {self.workers} but auth.shared_limits is false: each worker would admit a key's "
-                "whole limit; drop auth.shared_limits (workers share limits through the store) or set workers: 1"
-            )
         seen: dict[str, str] = {}
         for i, m in enumerate(self.models):
             for j, name in enumerate([m.name, *m.aliases]):

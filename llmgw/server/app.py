@@ -6,6 +6,7 @@ import asyncio
 import errno
 import gc
 import logging
+import secrets
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -40,10 +41,12 @@ from llmgw.server.gateway.auth import KeyCache
 from llmgw.server.gateway.conversations import Conversations
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet, read_endpoint_key
 from llmgw.server.gateway.errors import error_body, error_response
+from llmgw.server.gateway.limits import Accountant
 from llmgw.server.gateway.proxy import Gateway
-from llmgw.server.gateway.shared_limits import SharedLimits, shared_limits_for
-from llmgw.server.gateway.usage import JournalError, UsageRecorder
+from llmgw.server.gateway.shared_limits import SharedLimits, SpendTally, shared_limits_for
+from llmgw.server.gateway.usage import JournalError, UsageRecorder, UsageSink
 from llmgw.server.gateway.usage_journal import UsageJournal
+from llmgw.server.gateway.worker_limits import WorkerAccountant
 from llmgw.server.metrics import GatewayMetrics
 from llmgw.server.pages.admin_cluster import AdminPages
 from llmgw.server.pages.admin_limits import LimitsPages
@@ -144,12 +147,13 @@ class Server:
             self.store = None
             raise StartError(str(exc)) from None
         # Limits held across gateways on this store: its tally counts the usage rows written.
-        # Workers are gateways on one store too: each holds its own share.
-        self.shared_limits = shared_limits_for(cfg.auth, self.store, self.metrics.registry, force=self.workers > 1)
+        # The server process holds them for its workers too, whose accountant is its own.
+        if self.slot == 0:
+            self.shared_limits = shared_limits_for(cfg.auth, self.store, self.metrics.registry)
         # Before anything serves or reads usage: rows an earlier run could not write, so the
         # budgets restored below count them.
         self.usage = UsageRecorder(
-            self.shared_limits.tally if self.shared_limits is not None else self.store,
+            self._usage_sink(),
             cfg.usage.flush_interval,
             cfg.usage.batch_size,
             cfg.usage.queue_limit,
@@ -180,12 +184,17 @@ class Server:
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
         self.conversations = Conversations(self.store, self.keys, cfg.threads, cfg.auth.enabled)
         self.gateway.agents.keep(self.conversations)
-        if self.gateway.accountant is not None:
+        if self.gateway.accountant is not None and self.link is not None:
+            # A worker asks the server process's accountant (gateway/worker_limits.py).
+            self.gateway.accountant = await WorkerAccountant.connect(
+                self.gateway.accountant.pricing, self.link.limits_sock
+            )
+        elif (acc := self.local_accountant) is not None:
             if self.shared_limits is not None:
                 await self.shared_limits.read_baseline()  # before the usage rows that hold it
-            await self._restore_budgets()
+            await self._restore_budgets(acc)
             if self.shared_limits is not None:
-                await self.shared_limits.start(self.gateway.accountant)
+                await self.shared_limits.start(acc)
         if self.catalog is not None:
             self.models_changed()
         if self.link is not None:
@@ -295,6 +304,8 @@ class Server:
             await self.gateway.stop()
         if self.usage is not None:
             await self.usage.stop()
+        if self.gateway is not None and isinstance(self.gateway.accountant, WorkerAccountant):
+            await self.gateway.accountant.aclose()  # the last settlements reach the server process
         if self.conversations is not None:
             # The turns whose replies were sent, written before the store closes.
             await self.conversations.stop()
@@ -305,9 +316,9 @@ class Server:
             await self.store.close()
             self.store = None
 
-    async def _restore_budgets(self) -> None:
+    async def _restore_budgets(self, accountant: Accountant) -> None:
         """Budgets survive a restart: this month's and today's spend, folded back into every pool."""
-        assert self.store is not None and self.gateway is not None and self.gateway.accountant is not None
+        assert self.store is not None
         now = datetime.now(UTC)
         today = now.replace(hour=0, minute=0, second=0, microsecond=0)
         month = today.replace(day=1)
@@ -320,7 +331,7 @@ class Server:
                 (r.key_id, r.user_id, r.project_id, r.team_id, r.org_id, r.cost_micros, at)
                 for r in await self.store.usage_cost_since(since, until)
             )
-        self.gateway.accountant.restore(rows)
+        accountant.restore(rows)
         if rows:
             log.info("budgets restored from %d usage total(s) of this month", len(rows))
 
@@ -376,6 +387,23 @@ class Server:
             self.reconciler.wake()
         if self.pool is not None:
             self.pool.changed()
+
+    @property
+    def local_accountant(self) -> Accountant | None:
+        """The accountant this process keeps (the server process's, which its workers ask)."""
+        acc = self.gateway.accountant if self.gateway is not None else None
+        return acc if isinstance(acc, Accountant) else None
+
+    def _usage_sink(self) -> UsageSink:
+        """Where usage rows go: with limits shared with other gateways, through a tally of their
+        spend, which a worker writes under its server's name (workers.py) so that the server's
+        own reads of the others' spend skip it: its accountant counted that spend already."""
+        assert self.store is not None
+        if self.shared_limits is not None:
+            return self.shared_limits.tally
+        if self.link is not None and self.link.spender is not None:
+            return SpendTally(self.store, f"{self.link.spender}/{secrets.token_hex(4)}")
+        return self.store
 
     async def _replay_leftover_journals(self) -> None:
         """Usage journals of worker slots this run does not have (workers was larger): written now."""
@@ -659,7 +687,7 @@ async def serve_until_stopped(
 ) -> None:
     """Run until ``stop`` is set (llmgw.runtime sets it on SIGTERM or SIGINT), then drain and stop;
     with workers (server.yaml), their processes alongside (server/workers.py)."""
-    workers = resolve_workers(config.workers, shared_limits=config.auth.shared_limits)
+    workers = resolve_workers(config.workers)
     server = Server(config, workers=workers)
     await server.start()
     if workers > 1:

@@ -4,13 +4,12 @@
 with SO_REUSEPORT so the kernel spreads connections across them. The `llmgw server`
 process is worker 0: it keeps everything else (control plane, admin API, agents' stream,
 metrics listener) and supervises workers 1..N-1, each the same executable run as
-`llmgw server --worker SLOT:FD`, which serves the client API only.
+`llmgw server --worker SLOT:FD:N:LIMITS_FD`, which serves the client API only.
 
 What a worker holds of its own: a store connection, the key cache (polling the store as
 any gateway's does, so a revoked key is refused as promptly as across two gateways), a
 usage recorder writing its own rows with its own journal file (``usage-journal.worker-N``,
-replayed when that slot starts again), shared limits under its own gateway id in the store,
-and its own probes and scrapes of every engine (the scrape is a few hundred bytes a
+replayed when that slot starts again), and its own probes and scrapes of every engine (the scrape is a few hundred bytes a
 second per engine and worker; receiving the server's would save that but make a worker's
 view of an engine as old as two hops).
 
@@ -23,6 +22,10 @@ then. Requests for a model loaded on demand are passed to the server process (`t
 `wait`). Pages and anything else that is not the API are forwarded to the server process
 over loopback. The other way go snapshots of the worker's counters and histograms every
 METRICS_EVERY_S and at stop, which the server's /metrics adds to its own.
+
+Limits are not a worker's own: a second socket pair per worker carries every admission,
+settlement and cancellation to the server process's accountant (gateway/worker_limits.py), so
+a key's limits and budgets hold across the workers exactly as in one process.
 
 A worker stops when its socket closes (the server process went away, however it died);
 the server restarts a worker that exits on its own, after BACKOFF_S doubling to
@@ -57,6 +60,7 @@ from llmgw.errors import LlmgwError
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_response
 from llmgw.server.gateway.usage_journal import JOURNAL_NAME
+from llmgw.server.gateway.worker_limits import AccountantLink, serve_accountant
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -112,22 +116,25 @@ def leftover_journals(data_path: str, workers: int) -> list[Path]:
     return sorted(out)
 
 
-def parse_worker_arg(value: str) -> tuple[int, int, int]:
-    """`--worker SLOT:FD:N` as the server process passes it: this worker's slot, its channel, how many serve."""
+def parse_worker_arg(value: str) -> tuple[int, int, int, int]:
+    """`--worker SLOT:FD:N:LIMITS_FD` as the server process passes it: this worker's slot, its
+    channel, how many serve, and the channel to the server's accountant."""
     try:
-        slot, fd, count = (int(x) for x in value.split(":"))
+        slot, fd, count, limits_fd = (int(x) for x in value.split(":"))
     except ValueError:
-        raise WorkerError(f"--worker {value!r}: expected SLOT:FD:N; it is given by `llmgw server` itself") from None
-    if not 1 <= slot < count or fd < 0:
-        raise WorkerError(f"--worker {value!r}: expected a slot from 1 to N-1 and a file descriptor")
-    return slot, fd, count
+        raise WorkerError(
+            f"--worker {value!r}: expected SLOT:FD:N:LIMITS_FD; it is given by `llmgw server` itself"
+        ) from None
+    if not 1 <= slot < count or fd < 0 or limits_fd < 0:
+        raise WorkerError(f"--worker {value!r}: expected a slot from 1 to N-1 and two file descriptors")
+    return slot, fd, count, limits_fd
 
 
-def worker_command(argv: list[str], slot: int, fd: int, count: int) -> list[str]:
-    """This process's own command again, as worker ``slot`` of ``count`` talking on ``fd``: the
-    one-file build is its own executable, a Python install runs the module."""
+def worker_command(argv: list[str], slot: int, fd: int, count: int, limits_fd: int) -> list[str]:
+    """This process's own command again, as worker ``slot`` of ``count`` talking on ``fd``, its
+    limits on ``limits_fd``: the one-file build is its own executable, a Python install runs the module."""
     prefix = [sys.executable] if getattr(sys, "frozen", False) else [sys.executable, "-m", "llmgw.cli.main"]
-    return [*prefix, *argv, "--worker", f"{slot}:{fd}:{count}"]
+    return [*prefix, *argv, "--worker", f"{slot}:{fd}:{count}:{limits_fd}"]
 
 
 # -- the channel ------------------------------------------------------------------
@@ -284,6 +291,7 @@ class _Slot:
     backoff: float = BACKOFF_S
     restarts: int = 0
     serving: bool = False  # it said it listens (and until its channel closes)
+    limits: AccountantLink | None = None  # the server's accountant, answering this worker
     last: list[list[Any]] = field(default_factory=list)  # this run's latest snapshot
     base: _Totals = field(default_factory=dict)  # what earlier runs of the slot counted
     tasks: list[asyncio.Task] = field(default_factory=list)
@@ -315,6 +323,12 @@ class WorkerPool:
             "endpoints": endpoint_rows(s.endpoints),
             "forward": [s.forward_port, self.secret],
         }
+
+    def _spender(self) -> str | None:
+        """With limits shared with other gateways: the name under which this server's spend is
+        written, which workers write theirs below (so that its own reads skip them)."""
+        shared = self.server.shared_limits
+        return shared.spender if shared is not None else None
 
     def changed(self) -> None:
         """The endpoint set or the models changed: pushed on the next turn of the loop (a batch of
@@ -357,18 +371,28 @@ class WorkerPool:
 
     async def _spawn(self, slot: _Slot) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        lparent, lchild = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            cmd = worker_command(self._argv, slot.index, child.fileno(), self.count)
-            slot.proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(child.fileno(),))
+            cmd = worker_command(self._argv, slot.index, child.fileno(), self.count, lchild.fileno())
+            slot.proc = await asyncio.create_subprocess_exec(*cmd, pass_fds=(child.fileno(), lchild.fileno()))
         except OSError as exc:
             parent.close()
+            lparent.close()
             raise WorkerError(f"worker {slot.index} could not be started: {exc.strerror or exc}") from None
         finally:
             child.close()
+            lchild.close()
         slot.started = time.monotonic()
+        accountant = self.server.local_accountant
+        if accountant is not None:
+            slot.limits = await serve_accountant(accountant, lparent, slot.index)
+        else:
+            lparent.close()  # no limits without auth: the worker does not ask
         slot.channel = await Channel.open(parent)
         # The worker serves this process's configuration as it is (`llmgw up` writes its own).
-        slot.channel.send({"config": self.server.config.model_dump(mode="json"), **self._state()})
+        slot.channel.send(
+            {"config": self.server.config.model_dump(mode="json"), "spender": self._spender(), **self._state()}
+        )
         slot.tasks = [asyncio.create_task(self._read(slot, slot.channel), name=f"worker {slot.index}: channel")]
 
     async def _read(self, slot: _Slot, channel: Channel) -> None:
@@ -435,6 +459,10 @@ class WorkerPool:
         add_snapshot(slot.base, slot.last)
         slot.last = []
         slot.serving = False
+        if slot.limits is not None:
+            # What it had in progress is charged as estimated (worker_limits.py).
+            slot.limits.close()
+            slot.limits = None
         if slot.channel is not None:
             await slot.channel.close()
             slot.channel = None
@@ -575,8 +603,13 @@ class RemoteDemand:
 class WorkerLink:
     """A worker's end of its channel: applies what the server process sends, sends its metrics."""
 
-    def __init__(self, server: Server, channel: Channel, stop: asyncio.Event, first: dict[str, Any]) -> None:
+    def __init__(
+        self, server: Server, channel: Channel, stop: asyncio.Event, first: dict[str, Any], limits: socket.socket
+    ) -> None:
         self._first = first
+        self.limits_sock = limits  # to the server's accountant (worker_limits.py), opened by the gateway's start
+        # Shared limits with other gateways: this worker's spend is written under the server's name.
+        self.spender: str | None = first.get("spender")
         self.server = server
         self.channel = channel
         self.stop = stop
@@ -685,18 +718,21 @@ def forwarder(link: WorkerLink) -> Callable[[web.Request], Any]:
     return forward
 
 
-async def serve_worker(slot: int, fd: int, count: int, stop: asyncio.Event) -> None:
+async def serve_worker(slot: int, fd: int, count: int, limits_fd: int, stop: asyncio.Event) -> None:
     """Worker ``slot`` of ``count``: serve the client API on the shared listener until the server
     process goes away or SIGTERM, then drain, write the last usage rows and the last metrics."""
     from llmgw.config.server import ServerConfig
     from llmgw.server.app import Server
 
-    with contextlib.suppress(OSError):
-        os.set_inheritable(fd, False)
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError as exc:
-        raise WorkerError(f"--worker: file descriptor {fd} is not the server process's socket: {exc}") from None
+    socks = []
+    for f in (fd, limits_fd):
+        with contextlib.suppress(OSError):
+            os.set_inheritable(f, False)
+        try:
+            socks.append(socket.socket(fileno=f))
+        except OSError as exc:
+            raise WorkerError(f"--worker: file descriptor {f} is not the server process's socket: {exc}") from None
+    sock, limits_sock = socks
     channel = await Channel.open(sock)
     try:
         async with asyncio.timeout(30.0):
@@ -706,7 +742,7 @@ async def serve_worker(slot: int, fd: int, count: int, stop: asyncio.Event) -> N
     if first is None or "config" not in first or "endpoints" not in first:
         raise WorkerError("the server process sent nothing to serve; a worker is started by `llmgw server` itself")
     server = Server(ServerConfig.model_validate(first["config"]), workers=count, slot=slot)
-    link = server.link = WorkerLink(server, channel, stop, first)
+    link = server.link = WorkerLink(server, channel, stop, first, limits_sock)
     await server.start()
     link.start()
     channel.send({"serving": True})  # listening now: the server counts it in llmgw_workers

@@ -136,7 +136,7 @@ class AllowanceMixin:
         """One transaction: with ``renew``, renew every share row of ``gateway`` for ``lease_s``
         from the database's now (0: they expire now and count for TAIL_S more); with
         ``read_spend``, read the spend rows of every spender but ``spender`` (``gateway`` when
-        not given) updated at or after ``spend_since`` (None: all of them); then return and
+        not given) and its workers' (``spender``/…) updated at or after ``spend_since`` (None: all of them); then return and
         claim shares, each written with the same expiry. The claims come last, so the pools'
         locks are held for as short a time as can be."""
         spender = gateway if spender is None else spender
@@ -149,7 +149,10 @@ class AllowanceMixin:
                 )
             read: tuple[SpendRow, ...] = ()
             if read_spend:
-                q = select(gateway_spend).where(gateway_spend.c.gateway != spender)
+                # A server's workers write theirs as SPENDER/…: its accountant counted them already.
+                q = select(gateway_spend).where(
+                    gateway_spend.c.gateway != spender, ~gateway_spend.c.gateway.startswith(spender + "/")
+                )
                 if spend_since is not None:
                     q = q.where(gateway_spend.c.updated_at >= spend_since)
                 read = tuple(

@@ -40,18 +40,15 @@ def test_auto_workers_are_the_cores_this_process_may_use_capped():
     assert resolve_workers(3, cores=96) == 3
 
 
-def test_workers_with_shared_limits_turned_off_are_refused_since_each_would_admit_the_whole_limit():
-    with pytest.raises(ConfigError, match="shared_limits"):
-        parse_server_config({"workers": 2, "auth": {"shared_limits": False}})
-    assert parse_server_config({"workers": 1, "auth": {"shared_limits": False}}).workers == 1
-    # auto keeps a configuration that turned sharing off as it was: one process.
-    cfg = parse_server_config({"auth": {"shared_limits": False}})
-    assert resolve_workers(cfg.workers, cores=8, shared_limits=cfg.auth.shared_limits) == 1
+def test_workers_are_allowed_with_shared_limits_off_since_they_share_the_server_process_accountant():
+    cfg = parse_server_config({"workers": 2, "auth": {"shared_limits": False}})
+    assert cfg.workers == 2
+    assert resolve_workers(parse_server_config({"auth": {"shared_limits": False}}).workers, cores=8) == 8
 
 
 def test_the_worker_argument_is_checked():
-    assert parse_worker_arg("1:7:2") == (1, 7, 2)
-    for bad in ("1:7", "0:7:2", "2:7:2", "x:y:z"):
+    assert parse_worker_arg("1:7:2:8") == (1, 7, 2, 8)
+    for bad in ("1:7", "1:7:2", "0:7:2:8", "2:7:2:8", "1:7:2:-1", "x:y:z:w"):
         with pytest.raises(WorkerError, match="--worker"):
             parse_worker_arg(bad)
 

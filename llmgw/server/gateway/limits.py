@@ -110,6 +110,23 @@ class Refills(Protocol):
     def next_round(self) -> asyncio.Future[None]: ...  # completes when a round begun after now has ended
 
 
+class Accounting(Protocol):
+    """What the request path asks of an accountant: the server process's Accountant, or a
+    worker's, which asks it (worker_limits.py)."""
+
+    pricing: Pricing
+
+    async def admit(
+        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+    ) -> Reservation: ...
+
+    def settle(self, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> int: ...
+
+    def cancel(self, reservation: Reservation) -> None: ...
+
+    def headers(self, principal: Principal) -> dict[str, str]: ...
+
+
 # ----------------------------------------------------------------------- prices
 
 
@@ -537,15 +554,20 @@ class Accountant:
 
     # ------------------------------------------------------------------ check
 
+    @staticmethod
+    def allowed(principal: Principal, model: str) -> None:
+        """Refuse (403) a model outside the principal's allow-list."""
+        allowed = principal.models
+        if allowed is not None and model not in allowed:
+            may = f"it may use: {', '.join(sorted(allowed))}" if allowed else "it may use no models"
+            raise LimitError(403, f"this key may not use {model}; {may}", "model_not_allowed")
+
     def check(
         self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
     ) -> Reservation:
         """Admit one request or raise LimitError. Charges one request and the estimated tokens on every
         rate pool, and holds the estimated cost (priced as prompt and completion) on every budget pool."""
-        allowed = principal.models
-        if allowed is not None and model not in allowed:
-            may = f"it may use: {', '.join(sorted(allowed))}" if allowed else "it may use no models"
-            raise LimitError(403, f"this key may not use {model}; {may}", "model_not_allowed")
+        self.allowed(principal, model)
         pools = principal.pools
         now = self._clock()
         if now >= self._next_sweep:
@@ -719,7 +741,7 @@ class Accountant:
         self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
     ) -> Reservation:
         """check(), and with shared limits the wait for a refill (refilled()) a short share asks for:
-        what the request path calls. A worker's accountant (limits_ipc.py) answers the same call by
+        what the request path calls. A worker's accountant (worker_limits.py) answers the same call by
         asking the server process's accountant."""
         try:
             return self.check(principal, model, estimated_prompt, estimated_completion)
@@ -793,6 +815,25 @@ class Accountant:
         now = self._clock()
         self._refund(reservation.rpm_taken, now)
         self._refund(reservation.tpm_taken, now)
+
+    def forfeit(self, reservation: Reservation) -> None:
+        """A request whose end will never be known (the worker serving it died): the engine may
+        have served it, so its estimate stands as its use, as admitting it assumed; its estimated
+        cost is spent on every pool it was held on."""
+        if reservation.done:
+            return
+        reservation.done = True
+        self._release(reservation)
+        cost = reservation.held_micros
+        if cost:
+            per = self._current_periods()
+            spends = self._spend
+            for pool in reservation.pools:
+                s = spends.get(pool.key)
+                if s is None:
+                    s = spends[pool.key] = _Spend()
+                s.add(cost, per.day_key, per.month_key)
+        reservation.cost_micros = cost
 
     def _release(self, reservation: Reservation) -> None:
         amount = reservation.held_micros

@@ -36,7 +36,7 @@ from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.conversations import THREAD_HEADER
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_body, error_response
-from llmgw.server.gateway.limits import Accountant, LimitError, Pricing, Reservation
+from llmgw.server.gateway.limits import Accountant, Accounting, LimitError, Pricing, Reservation
 from llmgw.server.gateway.request import (
     CHAT,
     COMPLETIONS,
@@ -207,7 +207,9 @@ class Gateway:
             pass  # already registered (a second Gateway on the same metrics)
         self.set_models(config.models)
         # Limits apply to keys; without auth there is nobody to hold to them.
-        self.accountant = Accountant(Pricing.from_config(config.auth)) if config.auth.enabled else None
+        self.accountant: Accounting | None = (
+            Accountant(Pricing.from_config(config.auth)) if config.auth.enabled else None
+        )
         a = config.admission
         self.admission: Admission | None = None
         if a.enabled:
