@@ -185,9 +185,7 @@ async def test_limits_that_make_no_sense_are_refused_and_count_nothing(store):
 async def test_150_attempts_sent_together_on_one_account_are_counted_exactly_up_to_its_limit(address):
     async with await Store.open(address) as s1, await Store.open(address) as s2:
         limiters = [SigninLimiter(s, per_account=5, per_address=20, window_s=300) for s in (s1, s2)]
-        got = await asyncio.gather(
-            *(limiters[i % 2].attempt("ann@example.com", f"198.51.100.{i}") for i in range(150))
-        )
+        got = await asyncio.gather(*(limiters[i % 2].attempt("ann@example.com", f"198.51.100.{i}") for i in range(150)))
         assert sum(not c.refused for c in got) == 5
         assert all(0 < c.wait_s <= 300 for c in got if c.refused)
         assert await s1.attempts_counted(ANN, 300) == 5
