@@ -23,7 +23,7 @@ import logging
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from llmgw.errors import LlmgwError
+from llmgw.server.pages import PageError
 from llmgw.store import AttemptLimit, CountedAttempt, Store
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ UNAVAILABLE = (
 )
 
 
-class SigninUnavailable(LlmgwError):
+class SigninUnavailable(PageError):
     """The store could not count the attempt (or take a right one back): refuse it, check nothing."""
 
 
