@@ -29,12 +29,15 @@ from .records import (
     UsageRow,
     User,
 )
+from .signin import AttemptLimit, CountedAttempt
 from .store import Store
 
 __all__ = [
     "Ambiguous",
     "AmbiguousKey",
+    "AttemptLimit",
     "CostRow",
+    "CountedAttempt",
     "IssuedKey",
     "KeyAlreadyRevoked",
     "KeyNotFound",

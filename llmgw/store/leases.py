@@ -21,8 +21,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from .records import utcnow
 from .schema import leases, replica_endpoints
 
-# The database's clock, in seconds since the epoch, as each dialect writes it.
-_NOW = {
+# The database's clock, in seconds since the epoch, as each dialect writes it (signin.py reads it too).
+DB_NOW = {
     "postgresql": "EXTRACT(EPOCH FROM clock_timestamp())::double precision",
     "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
 }
@@ -73,7 +73,7 @@ class LeasesMixin:
         """Take the lease, or renew it, for ``ttl_s`` from the database's now; True when ``owner``
         holds it afterwards. False when another owner's lease has not expired."""
         async with self._writer.begin() as conn:
-            sql = text(_CLAIM.format(now=_NOW[conn.dialect.name]))
+            sql = text(_CLAIM.format(now=DB_NOW[conn.dialect.name]))
             got = (await conn.execute(sql, {"name": name, "owner": owner, "holder": holder, "ttl": ttl_s})).first()
         return got is not None and got.owner == owner
 
@@ -121,7 +121,7 @@ class LeasesMixin:
 
 
 async def _read(conn: AsyncConnection, name: str) -> Lease | None:
-    now = (await conn.execute(text(f"SELECT {_NOW[conn.dialect.name]}"))).scalar_one()
+    now = (await conn.execute(text(f"SELECT {DB_NOW[conn.dialect.name]}"))).scalar_one()
     row = (await conn.execute(select(leases).where(leases.c.name == name))).first()
     if row is None:
         return None

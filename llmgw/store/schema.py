@@ -419,3 +419,24 @@ model_capacity = Table(
     Column("measured_at", UTCDateTime, nullable=False),
     Column("measured_by", Text, nullable=True),
 )
+
+# -- sign-in attempts (0012, signin.py) ------------------------------------------------
+# Counted before a password is checked; times are seconds since the epoch by the database's
+# clock, so every gateway judges one window alike.
+signin_keys = Table(
+    "signin_keys",
+    metadata,
+    Column("key", String(400), primary_key=True),  # "account:EMAIL" or "address:ADDRESS"; the lock row
+    Column("seen_at", Float, nullable=False),
+    Index("ix_signin_keys_seen_at", "seen_at"),
+)
+
+signin_attempts = Table(
+    "signin_attempts",
+    metadata,
+    Column("attempt", String(32), primary_key=True),
+    Column("key", String(400), primary_key=True),
+    Column("at", Float, nullable=False),
+    Index("ix_signin_attempts_key_at", "key", "at"),
+    Index("ix_signin_attempts_at", "at"),
+)

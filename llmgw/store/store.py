@@ -1,8 +1,8 @@
 """The store's async API: API keys, usage rows, the keys generation counter and the
 models added to the catalog at run time. The tenancy tree, people, claims and limits
 are in tenancy.py, admin tokens in admin_tokens.py, browser sessions in sessions.py,
-agents' conversations and notes in agents.py and measured capacity in capacity.py, mixed
-into Store."""
+sign-in attempts in signin.py, agents' conversations and notes in agents.py and measured
+capacity in capacity.py, mixed into Store."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from .schema import (
     usage,
 )
 from .sessions import SessionsMixin
+from .signin import SigninMixin
 from .tenancy import TenancyMixin
 
 MIN_MATCH_LEN = 6  # shortest leading part of a prefix revoke_key accepts
@@ -139,6 +140,7 @@ class Store(
     TenancyMixin,
     AdminTokensMixin,
     SessionsMixin,
+    SigninMixin,
     ReportsMixin,
     LeasesMixin,
     AllowanceMixin,

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import httpx
 import orjson
 import pytest
+from conftest import PG_ADMIN, pg_exec
 
 from llmgw.config.server import parse_server_config
 from llmgw.server.app import Server
@@ -172,7 +173,43 @@ async def test_sign_in_attempts_are_limited_per_account(served):
         codes = [(await sign_in(http, "ann@example.com", "wrong password!")).status_code for _ in range(6)]
         assert codes[:5] == [401] * 5 and codes[5] == 429
         r = await sign_in(http, "ann@example.com")  # even the right password waits out the window
-        assert r.status_code == 429 and "try again in" in r.text
+        assert r.status_code == 429 and "llmgw_session" not in http.cookies
+        wait = int(r.headers["Retry-After"])
+        assert 290 < wait <= 300 and f"Too many sign-in attempts; try again in {wait} seconds." in r.text
+
+
+async def test_signing_in_costs_its_owner_nothing_and_an_empty_form_is_not_an_attempt(served):
+    srv, _ = served
+    await active_person(srv)
+    async with httpx.AsyncClient(base_url=base(srv)) as http:
+        for _ in range(4):
+            assert (await sign_in(http, "ann@example.com", "wrong password!")).status_code == 401
+        for _ in range(3):  # signing in (and out) again and again: none of it counts
+            assert (await sign_in(http, "ann@example.com")).status_code == 303
+            http.cookies.delete("llmgw_session")
+        r = await sign_in(http, "ann@example.com", "")
+        assert r.status_code == 400 and "Give your email and your password." in r.text
+        assert await srv.store.attempts_counted("account:ann@example.com", 300) == 4
+        assert (await sign_in(http, "ann@example.com", "wrong password!")).status_code == 401  # the fifth
+        assert (await sign_in(http, "ann@example.com")).status_code == 429
+
+
+async def test_a_sign_in_while_the_store_cannot_be_reached_is_refused_with_a_clear_page(tmp_path, pg_database):
+    name = pg_database.rsplit("/", 1)[1] + "_pages"
+    await pg_exec(PG_ADMIN, f'CREATE DATABASE "{name}"')
+    try:
+        async with running(tmp_path, auth={"store": pg_database.rsplit("/", 1)[0] + "/" + name}) as (srv, _):
+            await active_person(srv)
+            async with httpx.AsyncClient(base_url=base(srv)) as http:
+                page = (await http.get("/login")).text
+                await pg_exec(PG_ADMIN, f'DROP DATABASE "{name}" WITH (FORCE)')
+                r = await http.post(
+                    "/login", data={"csrf": form_token(page), "email": "ann@example.com", "password": PASSWORD}
+                )
+        assert r.status_code == 503 and "llmgw_session" not in http.cookies
+        assert "the account store cannot be reached, so no password was checked" in r.text
+    finally:
+        await pg_exec(PG_ADMIN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def test_a_chat_turn_streams_through_the_gateway_as_the_person_with_the_temperature_held(served):

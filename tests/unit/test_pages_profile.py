@@ -200,6 +200,26 @@ async def test_a_password_change_signs_out_other_sessions_and_only_the_new_csrf_
         assert (await sign_in(fresh, "ann@example.com", NEW_PASSWORD)).status_code == 303
 
 
+async def test_current_passwords_given_on_the_profile_count_as_sign_in_attempts_and_a_right_one_costs_nothing(served):
+    srv, _ = served
+    await active_person(srv)
+    async with httpx.AsyncClient(base_url=base(srv)) as http:
+        await sign_in(http, "ann@example.com")
+        csrf = form_token((await http.get("/profile")).text)
+
+        async def change(current: str) -> httpx.Response:
+            fields = {"csrf": csrf, "do": "password", "current": current, "password": "short", "password2": "short"}
+            return await http.post("/profile", data=fields)
+
+        # A right current password (the new one is refused) is withdrawn: it uses up nothing.
+        assert "at least 10" in (await change(PASSWORD)).text
+        assert [(await change("not it at all")).status_code for _ in range(5)] == [400] * 5
+        r = await change(PASSWORD)  # the account's five are used: even the right one waits
+        assert r.status_code == 429 and 290 < int(r.headers["Retry-After"]) <= 300
+        assert f"Too many wrong passwords; try again in {r.headers['Retry-After']} seconds." in r.text
+        assert await srv.store.attempts_counted("account:ann@example.com", 300) == 5
+
+
 # -- own use and budgets ----------------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from llmgw.server.pages import setup_scripts
 from llmgw.server.pages.admin_format import money
 from llmgw.server.pages.chat import ChatPage, Choice, spend_choices
 from llmgw.server.pages.session import VISITOR, Visitor, current
+from llmgw.server.pages.signin_limit import SigninUnavailable, wait_text
 from llmgw.server.pages.site import MIN_PASSWORD, Site, base_url, client_address
 from llmgw.store import CostRow, KeyRecord, NotFound, StoreError, Tree
 from llmgw.store.schema import usage
@@ -381,15 +382,24 @@ class ProfilePage:
         assert visitor is not None
         user = visitor.user
         old, new, again = fields.get("current", ""), fields.get("password", ""), fields.get("password2", "")
-        address = client_address(request)
-        wait = self.site.limiter.check(user.email, address)
-        if wait is not None:
-            return await self._page(
-                request, 429, problem=f"Too many wrong passwords; try again in {int(wait) + 1} seconds."
-            )
-        if not old or not await self.site.store.check_password(user.id, old):
-            self.site.limiter.failed(user.email, address)
+        if not old:
+            return await self._page(request, 400, problem="Give your current password; nothing changed.")
+        # Counted before the password is checked, as a sign-in is (signin_limit.py).
+        try:
+            counted = await self.site.limiter.attempt(user.email, client_address(request))
+        except SigninUnavailable as exc:
+            return await self._page(request, 503, problem=str(exc))
+        if counted.refused:
+            wait = wait_text(counted.wait_s)
+            page = await self._page(request, 429, problem=f"Too many wrong passwords; try again in {wait} seconds.")
+            page.headers["Retry-After"] = wait
+            return page
+        if not await self.site.store.check_password(user.id, old):
             return await self._page(request, 400, problem="That is not your current password; nothing changed.")
+        try:
+            await self.site.limiter.right(counted)
+        except SigninUnavailable as exc:
+            return await self._page(request, 503, problem=str(exc))
         if len(new) < MIN_PASSWORD:
             return await self._page(
                 request, 400, problem=f"Choose a new password of at least {MIN_PASSWORD} characters."
@@ -400,7 +410,6 @@ class ProfilePage:
             await self.site.store.set_password(user.id, new)
         except StoreError as exc:
             return await self._page(request, 400, problem=str(exc))
-        self.site.limiter.succeeded(user.email, address)
         ended = await self.site.store.end_sessions(user.id, except_token=visitor.token)
         try:
             csrf = await self.site.store.rotate_csrf(visitor.token)

@@ -16,7 +16,7 @@ from llmgw.server.pages.assets import Assets
 from llmgw.server.pages.charts import Prometheus
 from llmgw.server.pages.render import Menu, Renderer
 from llmgw.server.pages.session import Sessions, current, local_target, redirect
-from llmgw.signin_limit import SigninLimiter
+from llmgw.server.pages.signin_limit import SigninLimiter, SigninUnavailable, wait_text
 from llmgw.store import Store, StoreError
 
 MIN_PASSWORD = 10
@@ -43,7 +43,7 @@ class Site:
         self.menu = Menu()
         self.render = Renderer(self.assets, self.menu)
         self.sessions = Sessions(store, config.auth.session_ttl)
-        self.limiter = SigninLimiter()
+        self.limiter = SigninLimiter(store)
         self.history = Prometheus(config.monitoring.prometheus)  # the charts' source (monitoring.prometheus)
         self.guards: dict[tuple[str, str], str] = {}  # (method, path) -> open | session | admin
         self._routes: list[tuple[str, str, Handler]] = []
@@ -117,15 +117,22 @@ class Site:
         email = str(form.get("email", "")).strip().lower()[:320]
         password = str(form.get("password", ""))[:1024]
         next_ = local_target(str(form.get("next", "")), "/")
-        address = client_address(request)
-        wait = self.limiter.check(email, address)
-        if wait is not None:
-            return self._login(
-                request, 429, f"Too many sign-in attempts; try again in {int(wait) + 1} seconds.", email, next_
-            )
-        user = await self.store.verify_password(email, password) if email and password else None
+        if not email or not password:
+            # Nothing to check, so nothing is counted.
+            return self._login(request, 400, "Give your email and your password.", email, next_)
+        # Counted before the password is checked: attempts sent together are counted one
+        # after another, so none of them is checked past the limit.
+        try:
+            counted = await self.limiter.attempt(email, client_address(request))
+        except SigninUnavailable as exc:
+            return self._login(request, 503, str(exc), email, next_)
+        if counted.refused:
+            wait = wait_text(counted.wait_s)
+            page = self._login(request, 429, f"Too many sign-in attempts; try again in {wait} seconds.", email, next_)
+            page.headers["Retry-After"] = wait
+            return page
+        user = await self.store.verify_password(email, password)
         if user is None:
-            self.limiter.failed(email, address)
             return self._login(
                 request,
                 401,
@@ -134,7 +141,10 @@ class Site:
                 email,
                 next_,
             )
-        self.limiter.succeeded(email, address)
+        try:
+            await self.limiter.right(counted)
+        except SigninUnavailable as exc:
+            return self._login(request, 503, str(exc), email, next_)
         await self.sessions.start(request, user)
         return redirect(request, next_)
 
@@ -172,17 +182,22 @@ class Site:
         form = await request.post()
         email = str(form.get("email", "")).strip().lower()[:320]
         password, again = str(form.get("password", ""))[:1024], str(form.get("password2", ""))[:1024]
-        address = client_address(request)
-        wait = self.limiter.check("", address)
-        if wait is not None:
-            return self._signup(request, 429, f"Too many attempts; try again in {int(wait) + 1} seconds.", email)
         if "@" not in email or email.startswith("@") or email.endswith("@"):
             return self._signup(request, 400, "Give your email address.", email)
         if len(password) < MIN_PASSWORD:
             return self._signup(request, 400, f"Choose a password of at least {MIN_PASSWORD} characters.", email)
         if password != again:
             return self._signup(request, 400, "The two passwords differ; type the same one twice.", email)
-        self.limiter.failed("", address)  # every sign-up counts against the address
+        # Every sign-up counts against its address (it names no account), before the password is hashed.
+        try:
+            counted = await self.limiter.attempt("", client_address(request))
+        except SigninUnavailable as exc:
+            return self._signup(request, 503, str(exc), email)
+        if counted.refused:
+            wait = wait_text(counted.wait_s)
+            page = self._signup(request, 429, f"Too many attempts; try again in {wait} seconds.", email)
+            page.headers["Retry-After"] = wait
+            return page
         try:
             await self.store.sign_up(email, password)
         except StoreError as exc:
