@@ -60,7 +60,7 @@ class Listener:
 @pytest.fixture
 def pki(tmp_path):
     init_ca(tmp_path / "ca")
-    issue_client(tmp_path / "ca", tmp_path / "node", "node-a")
+    issue_client(tmp_path / "ca", tmp_path / "node", "node-a", admin_names={"admin"})
     return tmp_path
 
 

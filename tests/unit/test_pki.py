@@ -33,7 +33,7 @@ def fleet(tmp_path):
     ca = tmp_path / "pki"
     init_ca(ca)
     issue_server(ca, tmp_path / "srv", ["localhost", "127.0.0.1", "::1", "cp.internal"])
-    issue_client(ca, tmp_path / "cl", "node-a")
+    issue_client(ca, tmp_path / "cl", "node-a", admin_names={"admin"})
     return tmp_path
 
 
@@ -114,13 +114,13 @@ def test_bracketed_ipv6_is_an_ip_san(tmp_path):
 def test_issue_client_refuses_bad_node_id(tmp_path, node):
     init_ca(tmp_path)
     with pytest.raises(PKIError, match="not a valid node id"):
-        issue_client(tmp_path, tmp_path / "out", node)
+        issue_client(tmp_path, tmp_path / "out", node, admin_names={"admin"})
     assert not (tmp_path / "out").exists()
 
 
 def test_issuing_without_authority_says_how_to_make_one(tmp_path):
     with pytest.raises(PKIError, match=r"no authority in .*run 'llmgw ctl cert init-ca --dir"):
-        issue_client(tmp_path, tmp_path, "node-a")
+        issue_client(tmp_path, tmp_path, "node-a", admin_names={"admin"})
 
 
 def test_mismatched_key_refused(fleet):
@@ -140,7 +140,7 @@ def test_missing_files_refused(tmp_path):
 
 def test_cert_from_another_authority_refused(fleet, tmp_path):
     init_ca(tmp_path / "other")
-    issue_client(tmp_path / "other", tmp_path / "other", "node-a")
+    issue_client(tmp_path / "other", tmp_path / "other", "node-a", admin_names={"admin"})
     with pytest.raises(PKIError, match="was not issued by the authority"):
         verify_issued_by(fleet / "pki" / "ca.pem", tmp_path / "other" / "node-a.pem")
 
@@ -204,7 +204,7 @@ def test_handshake_with_fleet_client_cert(fleet, host):
 
 def test_handshake_refuses_cert_from_another_authority(fleet, tmp_path):
     init_ca(tmp_path / "other")
-    issue_client(tmp_path / "other", tmp_path / "other", "node-a")
+    issue_client(tmp_path / "other", tmp_path / "other", "node-a", admin_names={"admin"})
     # Trusts the real server, but presents a certificate the fleet's authority did not sign.
     cctx = client_context(
         fleet / "pki" / "ca.pem", tmp_path / "other" / "node-a.pem", tmp_path / "other" / "node-a-key.pem"
