@@ -124,7 +124,8 @@ def cert_issue_client(
 @cert_app.command("issue-admin")
 def cert_issue_admin(
     name: str = typer.Argument(
-        DEFAULT_ADMIN_CLIENT, help=f"The administrator's name, listed in admin_tls.clients (default {DEFAULT_ADMIN_CLIENT})."
+        DEFAULT_ADMIN_CLIENT,
+        help=f"The administrator's name, listed in admin_tls.clients (default {DEFAULT_ADMIN_CLIENT}).",
     ),
     dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
     out: Path | None = typer.Option(None, "--out", help=_OUT_HELP),

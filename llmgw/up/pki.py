@@ -94,9 +94,7 @@ def ensure_pki(workdir: Path, node_id: str = NODE_ID) -> tuple[Pki, list[str]]:
         issue_server(pki.dir, pki.dir, list(SERVER_NAMES))
         made.append("control plane certificate")
     # A node certificate from before node certificates were marked is issued again, marked.
-    if not _leaf_ok(
-        pki, pki.client, pki.client_key, lambda c: common_name(c) == node_id and client_kind(c) == "node"
-    ):
+    if not _leaf_ok(pki, pki.client, pki.client_key, lambda c: common_name(c) == node_id and client_kind(c) == "node"):
         # up's admin listener has no admin_tls: only the default administrator's name is reserved.
         issue_client(pki.dir, pki.dir, node_id, admin_names={DEFAULT_ADMIN_CLIENT})
         made.append(f"agent certificate ({node_id})")

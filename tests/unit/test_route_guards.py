@@ -311,11 +311,13 @@ async def test_the_first_admin_token_file_is_owner_only_and_survives_a_restart(s
 
 
 async def test_on_a_tls_admin_listener_only_a_listed_administrators_certificate_opens_it_never_a_nodes_named_admin(
-    tmp_path,
+    tmp_path, caplog
 ):
+    import logging
     import ssl
 
     from llmgw.pki import init_ca, issue_admin, issue_client, issue_server
+    from llmgw.testing.pki import issue_unmarked
 
     pki = tmp_path / "pki"
     ca = init_ca(pki)
@@ -325,6 +327,8 @@ async def test_on_a_tls_admin_listener_only_a_listed_administrators_certificate_
     node_named_admin = issue_client(pki, pki / "nodes", "admin", admin_names=())
     node = issue_client(pki, pki, "node-a", admin_names={"admin"})
     unlisted_admin = issue_admin(pki, pki / "admins", "ops-bob")
+    # An administrator's certificate from before the marks: it cannot be told from a node's named admin.
+    old_admin = issue_unmarked(pki, pki / "old", "admin")
     cfg = parse_server_config(
         {
             "listen": f"127.0.0.1:{_port()}",
@@ -358,6 +362,15 @@ async def test_on_a_tls_admin_listener_only_a_listed_administrators_certificate_
             assert r.status_code == 401 and "issued to admin" in r.json()["error"]["message"]
         async with httpx.AsyncClient(verify=ctx(unlisted_admin)) as http:
             assert (await http.get(url)).status_code == 401  # marked, but not listed
+        with caplog.at_level(logging.WARNING, "llmgw.server.admin"):
+            for _ in range(2):
+                async with httpx.AsyncClient(verify=ctx(old_admin)) as http:
+                    r = await http.get(url)
+                    assert r.status_code == 401
+                    assert "has no administrator's mark" in r.json()["error"]["message"]
+                    assert "llmgw ctl cert issue-admin admin" in r.json()["error"]["message"]
+        said = [m for m in caplog.messages if "no administrator's mark" in m]
+        assert len(said) == 1 and "issue it again with `llmgw ctl cert issue-admin admin`" in said[0]
         async with httpx.AsyncClient(verify=ctx(), headers=admin_headers(s)) as http:
             assert (await http.get(url)).status_code == 200  # a token works over TLS too
         async with httpx.AsyncClient(verify=ctx(node_named_admin), headers=admin_headers(s)) as http:
