@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from llmgw.errors import LlmgwError
+
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 # Where a guarded handler finds who called it ("token adm-…", "certificate admin").
@@ -31,6 +33,15 @@ CALLER = web.RequestKey("llmgw.caller", str)
 
 ErrorFactory = Callable[[int, str, str], web.StreamResponse]
 Authenticate = Callable[[web.Request], Awaitable[str | None]]
+
+
+class CredentialRefused(LlmgwError):
+    """Raised by an ``authenticate`` that recognised a credential and refuses it: the caller reads this
+    sentence (what was wrong with it, how to get a good one) instead of the listener's general how-to."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def machine_names(*extra: str | None) -> frozenset[str]:
@@ -84,7 +95,7 @@ class Guard:
     """Checks every request of one listener; see the module's docstring for the rules.
 
     ``authenticate`` returns who the caller is (a token's id, a certificate's name) or
-    None; ``how_to`` is the sentence a refused caller reads to get a credential;
+    None, or raises CredentialRefused to say why a credential it recognised is refused; ``how_to`` is the sentence a refused caller reads to get a credential;
     ``open_paths`` need no credential (probes such as /health), the other checks still apply;
     ``names_hint`` says where further names are configured, ``credential_code`` is the
     error code of a request without a credential.
@@ -162,7 +173,10 @@ class Guard:
             if refused is not None:
                 return self.error(*refused)
             if request.path not in self.open_paths:
-                who = await self.authenticate(request)
+                try:
+                    who = await self.authenticate(request)
+                except CredentialRefused as exc:
+                    return self.error(401, str(exc), exc.code)
                 if who is None:
                     return self.error(401, self.how_to, self.credential_code)
                 request[CALLER] = who

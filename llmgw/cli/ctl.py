@@ -11,7 +11,9 @@ from pydantic import BaseModel, ValidationError
 from llmgw import __version__
 from llmgw.cli.admin_client import Admin, ServerOpt, TokenFileOpt, admin_call, connect
 from llmgw.cli.common import fail
-from llmgw.pki import DEFAULT_PKI_DIR, PKIError, init_ca, issue_client, issue_server, load_cert, san_names
+from llmgw.config import ConfigError, load_server_config
+from llmgw.config.server import DEFAULT_ADMIN_CLIENT, DEFAULT_CONFIG_PATH
+from llmgw.pki import DEFAULT_PKI_DIR, PKIError, init_ca, issue_admin, issue_client, issue_server, load_cert, san_names
 from llmgw.protocol import ProvisionState
 from llmgw.protocol.admin import (
     CatalogModel,
@@ -78,6 +80,22 @@ def cert_issue_server(
     typer.echo(f"wrote {written.key} (mode 0600)")
 
 
+def admin_names(config: Path | None) -> frozenset[str]:
+    """The names a node may not take. issue-client runs where the CA's key is kept, which is the control
+    plane (server init puts both under /etc/llmgw), so it reads that server.yaml's admin_tls.clients;
+    with no server.yaml there only the default administrator's name is reserved."""
+    path = config or Path(DEFAULT_CONFIG_PATH)
+    if config is None and not path.exists():
+        return frozenset({DEFAULT_ADMIN_CLIENT})
+    try:
+        return load_server_config(path).admin_names
+    except ConfigError as exc:
+        fail(
+            f"{path}: {exc}; issue-client reads it for the administrators' names no node may take "
+            "(admin_tls.clients): fix it, or give --config with the control plane's server.yaml"
+        )
+
+
 @cert_app.command("issue-client")
 def cert_issue_client(
     node: str = typer.Argument(
@@ -86,15 +104,45 @@ def cert_issue_client(
     dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
     out: Path | None = typer.Option(None, "--out", help=_OUT_HELP),
     days: int = typer.Option(825, "--days", help="How long the certificate is valid."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help=f"The server.yaml whose admin_tls.clients no node may be named after; default {DEFAULT_CONFIG_PATH} "
+        f"when it exists ({DEFAULT_ADMIN_CLIENT} is refused either way).",
+    ),
 ) -> None:
-    """Issue NODE.pem and NODE-key.pem whose common name is the node id the agent claims."""
+    """Issue NODE.pem and NODE-key.pem: a node's certificate, whose common name is the node id the agent claims."""
     try:
-        written = issue_client(dir, out or dir, node, days=days)
+        written = issue_client(dir, out or dir, node, days=days, admin_names=admin_names(config))
     except PKIError as exc:
         fail(str(exc))
-    typer.echo(f"wrote {written.cert} (client certificate for {node})")
+    typer.echo(f"wrote {written.cert} (node certificate for {node})")
     typer.echo(f"wrote {written.key} (mode 0600)")
     typer.echo(f"install them on {node} as the agent's tls.cert and tls.key, beside the authority's ca.pem")
+
+
+@cert_app.command("issue-admin")
+def cert_issue_admin(
+    name: str = typer.Argument(
+        DEFAULT_ADMIN_CLIENT,
+        help=f"The administrator's name, listed in admin_tls.clients (default {DEFAULT_ADMIN_CLIENT}).",
+    ),
+    dir: Path = typer.Option(Path(DEFAULT_PKI_DIR), "--dir", help=_DIR_HELP),
+    out: Path | None = typer.Option(None, "--out", help=_OUT_HELP),
+    days: int = typer.Option(825, "--days", help="How long the certificate is valid."),
+) -> None:
+    """Issue NAME.pem and NAME-key.pem: an administrator's certificate, a credential on an admin listener with
+    admin_tls whose clients list NAME (a node's certificate never is, whatever its name)."""
+    try:
+        written = issue_admin(dir, out or dir, name, days=days)
+    except PKIError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {written.cert} (administrator's certificate for {name})")
+    typer.echo(f"wrote {written.key} (mode 0600: whoever holds it administers the fleet)")
+    typer.echo(
+        f"list {name} in admin_tls.clients of server.yaml, and have ctl present it with "
+        f"LLMGW_ADMIN_CERT={written.cert} LLMGW_ADMIN_KEY={written.key}"
+    )
 
 
 Reply = TypeVar("Reply", bound=BaseModel)

@@ -23,6 +23,8 @@ DEFAULT_DATA_DIR = "/var/lib/llmgw"
 # The first admin token, in data_dir: written by the server, read by `llmgw ctl`.
 ADMIN_TOKEN_FILE = "admin-token"
 DEFAULT_CONFIG_PATH = "/etc/llmgw/server.yaml"
+# The administrator's name admin_tls lists by default; no node may take it, admin_tls on or off.
+DEFAULT_ADMIN_CLIENT = "admin"
 # The llama.cpp release nodes install unless server.yaml's engines: says otherwise.
 DEFAULT_LLAMACPP = "b10991"
 
@@ -619,6 +621,13 @@ class AgentTLSConfig(_Block):
         description="This control plane's certificate; its names must hold every address agents dial.",
     )
     key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
+    require_node_mark: bool = Field(
+        default=False,
+        description="Refuse an agent whose certificate lacks the node mark (issued before llmgw marked node "
+        "certificates). false: such a node still joins and the server logs, once per node, the command that "
+        "issues its certificate again; set true once every node's has been. server init and llmgw up write true. "
+        "An administrator's certificate is refused either way.",
+    )
 
 
 class AdminTLSConfig(_Block):
@@ -631,9 +640,10 @@ class AdminTLSConfig(_Block):
     cert: str = Field(default="/etc/llmgw/pki/server.pem", description="The admin listener's certificate.")
     key: str = Field(default="/etc/llmgw/pki/server-key.pem", description="Its private key.")
     clients: list[str] = Field(
-        default_factory=lambda: ["admin"],
-        description="Common names of the client certificates that may use the admin API "
-        "(`llmgw ctl cert issue-client admin` makes one); a node's certificate is not among them.",
+        default_factory=lambda: [DEFAULT_ADMIN_CLIENT],
+        description="Names of the administrators' certificates that may use the admin API "
+        "(`llmgw ctl cert issue-admin NAME` makes one); a node's certificate is refused whatever its name, "
+        "and no node may be given one of these names.",
     )
 
 
@@ -931,6 +941,13 @@ class ServerConfig(_Block):
     landing: LandingConfig = Field(default_factory=LandingConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     threads: ThreadsConfig = Field(default_factory=ThreadsConfig)
+
+    @property
+    def admin_names(self) -> frozenset[str]:
+        """Names no node may take: admin_tls.clients, and the default admin even without admin_tls
+        (turning admin_tls on lists it)."""
+        listed = self.admin_tls.clients if self.admin_tls is not None else []
+        return frozenset([DEFAULT_ADMIN_CLIENT, *listed])
 
     @property
     def data_path(self) -> str:

@@ -16,7 +16,7 @@ from llmgw.agent.provision.python_engines import MIN_COMPUTE_CAPABILITY as VLLM_
 from llmgw.agent.provision.python_engines import MIN_DRIVER as VLLM_MIN_DRIVER
 from llmgw.pki.ca import CERT_BACKDATE
 from llmgw.protocol import IBPort
-from llmgw.protocol.doctor import Facts, Finding, Level, PortSubnetManagers, SMRecord
+from llmgw.protocol.doctor import ControlPlane, Facts, Finding, Level, PortSubnetManagers, SMRecord
 
 from .nvidia import is_gpu
 
@@ -255,7 +255,31 @@ def check_control_plane(f: Facts, out: list[Finding]) -> None:
         return
     what = "answers, its certificate verifies and names " + cp.host if cp.tls else "answers (plaintext)"
     _add(out, Level.OK, "control", f"the control plane at {cp.address} {what}")
+    check_node_certificate_mark(cp, out)
     check_clock(f, out)
+
+
+def check_node_certificate_mark(cp: ControlPlane, out: list[Finding]) -> None:
+    """This node's own certificate must be a node's: the agent stream refuses an administrator's, and an
+    unmarked one once the control plane sets agent_tls.require_node_mark."""
+    fix = "on the control plane: llmgw node add for this machine again (it issues and installs a node's certificate)"
+    if cp.client_certificate_kind == "admin":
+        _add(
+            out,
+            Level.FAIL,
+            "control",
+            "this node's certificate is an administrator's, which the control plane refuses as a node",
+            fix,
+        )
+    elif cp.client_certificate_kind == "unmarked":
+        _add(
+            out,
+            Level.WARN,
+            "control",
+            "this node's certificate has no node mark (issued before llmgw marked node certificates); a control "
+            "plane with agent_tls.require_node_mark refuses it",
+            fix,
+        )
 
 
 def check_clock(f: Facts, out: list[Finding]) -> None:

@@ -45,7 +45,7 @@ from llmgw.agent.provision.verify import installed_at
 from llmgw.config.agent import DEFAULT_WEIGHTS_CACHE, AgentConfig
 from llmgw.config.server import DEFAULT_LLAMACPP
 from llmgw.errors import LlmgwError
-from llmgw.pki.ca import PKIError, san_names
+from llmgw.pki.ca import PKIError, client_kind, load_cert, san_names
 from llmgw.pki.tls import client_context
 from llmgw.protocol import NodeInventory
 from llmgw.protocol.doctor import (
@@ -560,6 +560,8 @@ def dial_control_plane(t: ControlPlaneTarget, timeout: float = DIAL_TIMEOUT_S) -
             return cp
         try:
             ctx, cp.client_certificate = _client_ctx(t)
+            if cp.client_certificate and t.cert:
+                cp.client_certificate_kind = client_kind(load_cert(t.cert)) or "unmarked"
         except PKIError as exc:
             cp.certificate_ok = False
             cp.certificate_problem = "ca"

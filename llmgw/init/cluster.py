@@ -46,7 +46,17 @@ from llmgw.init.units import AGENT_DIRS, AGENT_UNIT, agent_unit_text
 from llmgw.mirror.layout import MirrorError
 from llmgw.mirror.systemd import UNIT_NAME as MIRROR_UNIT
 from llmgw.mirror.systemd import init_mirror
-from llmgw.pki import CA_CERT, PKIError, common_name, issue_client, load_cert, load_pair, near_end, verify_issued_by
+from llmgw.pki import (
+    CA_CERT,
+    PKIError,
+    client_kind,
+    common_name,
+    issue_client,
+    load_cert,
+    load_pair,
+    near_end,
+    verify_issued_by,
+)
 from llmgw.progress import Steps
 from llmgw.protocol.admin import ModelAddRequest, ModelReply, ModelsReply, NodeRow, NodesReply, ReplicasReply
 from llmgw.units import write_unit
@@ -319,21 +329,23 @@ def agent_config_text(data: dict[str, Any], by: str) -> str:
     return AGENT_HEADER.format(by=by) + yaml.safe_dump(data, sort_keys=False)
 
 
-def agent_certificate(pki: Path, etc: Path, node_id: str) -> str | None:
+def agent_certificate(pki: Path, etc: Path, node_id: str, admin_names: frozenset[str]) -> str | None:
     """etc/agent.pem and agent-key.pem for ``node_id`` from the authority; None when the ones there are
-    already right (issued by it, for this node, not near their end), else what was done."""
+    already right (issued by it, for this node, marked a node's, not near their end), else what was done.
+    ``node_id`` in ``admin_names`` is refused (PKIError) before anything is written."""
     cert, key = etc / "agent.pem", etc / "agent-key.pem"
     if cert.exists() and key.exists():
         try:
             verify_issued_by(pki / CA_CERT, cert)
             load_pair(cert, key)
             c = load_cert(cert)
-            if common_name(c) == node_id and not near_end(c):
+            # One issued before node certificates were marked is issued again, marked.
+            if common_name(c) == node_id and client_kind(c) == "node" and not near_end(c):
                 return None
         except PKIError:
             pass
     with tempfile.TemporaryDirectory(dir=etc, prefix=".agent-cert-") as tmp:
-        issue_client(pki, tmp, node_id)
+        issue_client(pki, tmp, node_id, admin_names=admin_names)
         shutil.move(str(Path(tmp) / f"{node_id}-key.pem"), key)
         shutil.move(str(Path(tmp) / f"{node_id}.pem"), cert)
     key.chmod(0o600)
@@ -405,7 +417,13 @@ def this_node(m: Machine, cfg: ServerConfig, steps: Steps, key: str, *, hosts: l
     node_id = m.names[0]
     words: list[str] = []
     gpu = nvidia_note(m)
-    issued = agent_certificate(m.pki, m.etc, node_id)
+    try:
+        issued = agent_certificate(m.pki, m.etc, node_id, cfg.admin_names)
+    except PKIError as exc:
+        raise InitError(
+            f"this machine cannot be a node under its host name: {exc}; or run server init with --no-node and "
+            "add this machine with `llmgw node add --node ID`"
+        ) from None
     if issued:
         words.append(issued)
     server = f"https://{bracket(primary_address(m, hosts))}:{cfg.agent_listen.port}"

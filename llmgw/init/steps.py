@@ -222,6 +222,8 @@ def config_data(m: Machine, mirror: MirrorPlan | None = None, store: str | None 
             "ca": str(m.etc / CA_CERT),
             "cert": str(m.etc / "server.pem"),
             "key": str(m.etc / "server-key.pem"),
+            # A new control plane's nodes all get marked certificates (node add, its own self-node).
+            "require_node_mark": True,
         },
         "control": {"enabled": True},
         "auth": {

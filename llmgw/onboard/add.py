@@ -38,7 +38,16 @@ from llmgw.init.machine import DEFAULT_BINARY
 from llmgw.init.units import AGENT_DIRS, AGENT_UNIT, agent_unit_text
 from llmgw.onboard import OnboardError
 from llmgw.onboard.ssh import DEFAULT_KNOWN_HOSTS, Session, Target, connect
-from llmgw.pki import CA_CERT, PKIError, issue_client, load_ca, load_cert, san_names, validate_node_id
+from llmgw.pki import (
+    CA_CERT,
+    PKIError,
+    check_not_admin_name,
+    issue_client,
+    load_ca,
+    load_cert,
+    san_names,
+    validate_node_id,
+)
 from llmgw.progress import Status, Steps
 from llmgw.protocol.doctor import DoctorReport, Level
 
@@ -294,7 +303,8 @@ class Adder:
             machine = (await s.must("uname -m", "reading the architecture")).strip()
         node_id = self.opts.node_id or hostname
         try:
-            validate_node_id(node_id)
+            # A host named like an administrator is stopped here, before anything on it changes.
+            check_not_admin_name(validate_node_id(node_id), self.cp.cfg.admin_names)
         except PKIError as exc:
             self.steps.end(key, Status.FAILED, f"{exc}; give --node ID")
             raise OnboardError(f"{host}: {exc}; give --node ID") from None
@@ -448,7 +458,7 @@ class Adder:
 
     async def _certificate(self, s: Session, node_id: str) -> None:
         with tempfile.TemporaryDirectory(prefix="llmgw-node-cert-") as tmp:
-            issue_client(self.opts.pki, tmp, node_id)
+            issue_client(self.opts.pki, tmp, node_id, admin_names=self.cp.cfg.admin_names)
             cert = (Path(tmp) / f"{node_id}.pem").read_bytes()
             key = (Path(tmp) / f"{node_id}-key.pem").read_bytes()
         ca = (self.opts.pki / CA_CERT).read_bytes()
@@ -490,6 +500,13 @@ def add_nodes(opts: AddOptions, steps: Steps, admin: Callable[[str, str | None],
     except OnboardError as exc:
         steps.end(key, Status.FAILED, str(exc))
         raise
+    if opts.node_id:
+        # Said before any SSH: the id given cannot be a node's, whichever machine it is for.
+        try:
+            check_not_admin_name(validate_node_id(opts.node_id), cp.cfg.admin_names)
+        except PKIError as exc:
+            steps.end(key, Status.FAILED, f"--node {opts.node_id}: {exc}")
+            raise OnboardError(f"--node {opts.node_id}: {exc}") from None
     steps.end(key, Status.KEPT, f"read the authority in {opts.pki} and {opts.config}")
     adder = Adder(opts, steps, cp)
     outcomes: list[Outcome] = []

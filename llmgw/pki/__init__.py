@@ -1,13 +1,19 @@
 """The fleet's private certificate authority and TLS contexts."""
 
 from llmgw.pki.ca import (
+    ADMIN_MARK,
     CA_CERT,
     CA_KEY,
     DEFAULT_PKI_DIR,
+    NODE_MARK,
+    ClientKind,
     Issued,
     PKIError,
+    check_not_admin_name,
+    client_kind,
     common_name,
     init_ca,
+    issue_admin,
     issue_client,
     issue_server,
     load_ca,
@@ -19,18 +25,32 @@ from llmgw.pki.ca import (
     validate_node_id,
     verify_issued_by,
 )
-from llmgw.pki.tls import check_claim, client_context, peer_node_id, server_context
+from llmgw.pki.tls import (
+    check_claim,
+    check_node_certificate,
+    client_context,
+    peer_certificate,
+    peer_node_id,
+    server_context,
+)
 
 __all__ = [
+    "ADMIN_MARK",
     "CA_CERT",
     "CA_KEY",
     "DEFAULT_PKI_DIR",
+    "NODE_MARK",
+    "ClientKind",
     "Issued",
     "PKIError",
     "check_claim",
+    "check_node_certificate",
+    "check_not_admin_name",
     "client_context",
+    "client_kind",
     "common_name",
     "init_ca",
+    "issue_admin",
     "issue_client",
     "issue_server",
     "load_ca",
@@ -38,6 +58,7 @@ __all__ = [
     "load_pair",
     "near_end",
     "parse_san",
+    "peer_certificate",
     "peer_node_id",
     "san_names",
     "server_context",

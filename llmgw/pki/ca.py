@@ -2,6 +2,12 @@
 
 Private because public authorities stopped issuing clientAuth certificates,
 and agents prove who they are with one: the common name is the node id.
+
+Client certificates are of two kinds, told apart by a mark only this authority
+sets (an extended key usage beside clientAuth), never by their name: a node's
+(NODE_MARK, the agent stream's credential) and an administrator's (ADMIN_MARK,
+the admin listener's). A machine whose host name is an administrator's name
+therefore still gets a node's certificate, which the admin listener refuses.
 """
 
 from __future__ import annotations
@@ -10,9 +16,10 @@ import datetime as dt
 import ipaddress
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -37,6 +44,11 @@ RENEW_BEFORE = dt.timedelta(days=30)
 _BACKDATE = dt.timedelta(minutes=5)
 # What a clock may lag before a new certificate is refused as not yet valid (doctor's clock check).
 CERT_BACKDATE = _BACKDATE
+# The two kinds' marks. OIDs under 2.25 are UUIDs written as numbers (ITU-T X.667): unique without
+# registering an arc. A certificate issued before the marks existed carries neither.
+NODE_MARK = x509.ObjectIdentifier("2.25.7326827169724999956928474036178522880")
+ADMIN_MARK = x509.ObjectIdentifier("2.25.199663784989677268631635715156606044297")
+ClientKind = Literal["node", "admin"]
 _LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", re.IGNORECASE)
 
 
@@ -62,13 +74,30 @@ def _is_hostname(name: str, *, wildcard: bool = False) -> bool:
     return all(_LABEL.match(label) for label in labels)
 
 
+def _validate_name(name: str, what: str, example: str) -> str:
+    if not _is_hostname(name) or name.endswith("."):
+        raise PKIError(
+            f"{name!r} is not a valid {what}: use what a hostname may hold — letters, digits, "
+            "hyphens and dots, each dot-separated part 1 to 63 characters, not starting or ending with a hyphen "
+            f"(for example {example})"
+        )
+    return name
+
+
 def validate_node_id(node_id: str) -> str:
     """A node id goes into a certificate's common name and a file name, so it holds what a hostname may."""
-    if not _is_hostname(node_id) or node_id.endswith("."):
+    return _validate_name(node_id, "node id", "gpu-a-01")
+
+
+def check_not_admin_name(node_id: str, admin_names: Collection[str]) -> str:
+    """Refuse a node id that is an administrator's name. The marks already keep such a node out of the
+    admin API; the refusal keeps the two apart where only names show (files, logs, listings)."""
+    if node_id in admin_names:
         raise PKIError(
-            f"{node_id!r} is not a valid node id: use what a hostname may hold — letters, digits, "
-            "hyphens and dots, each dot-separated part 1 to 63 characters, not starting or ending with a hyphen "
-            "(for example gpu-a-01)"
+            f"{node_id!r} is an administrator's name (the names reserved are {', '.join(sorted(admin_names))}: "
+            "admin, and admin_tls.clients in server.yaml) and cannot be a node id; give this node another id "
+            "(`llmgw node add --node ID`, node_id in its agent.yaml). An administrator's certificate is made "
+            f"with `llmgw ctl cert issue-admin {node_id}`"
         )
     return node_id
 
@@ -262,7 +291,11 @@ def init_ca(
 
 
 def _issue(
-    ca_dir: str | os.PathLike[str], subject_cn: str, sans: list[x509.GeneralName], eku: x509.ObjectIdentifier, days: int
+    ca_dir: str | os.PathLike[str],
+    subject_cn: str,
+    sans: list[x509.GeneralName],
+    ekus: list[x509.ObjectIdentifier],
+    days: int,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     _check_days(days)
     ca_cert, loaded = load_ca(ca_dir)
@@ -295,7 +328,7 @@ def _issue(
             ),
             critical=True,
         )
-        .add_extension(x509.ExtendedKeyUsage([eku]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(ekus), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     )
@@ -319,19 +352,70 @@ def issue_server(
     """
     sans = parse_sans(list(names))
     first = sans[0].value
-    cert, key = _issue(ca_dir, str(first), sans, ExtendedKeyUsageOID.SERVER_AUTH, days)
+    cert, key = _issue(ca_dir, str(first), sans, [ExtendedKeyUsageOID.SERVER_AUTH], days)
     out = Path(out_dir)
     return _write_pair(out / f"{stem}.pem", out / f"{stem}-key.pem", cert, key)
 
 
+def client_kind(cert: x509.Certificate) -> ClientKind | None:
+    """Which kind of client certificate this is by the mark its authority set; None when it has none
+    (issued before the marks, or by another authority). The admin mark wins: this authority never sets both."""
+    try:
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return None
+    if ADMIN_MARK in usages:
+        return "admin"
+    if NODE_MARK in usages:
+        return "node"
+    return None
+
+
+def _refuse_overwriting_other_kind(cert_path: Path, kind: ClientKind) -> None:
+    """A node's and an administrator's files share a directory and a naming rule: never replace one
+    kind with the other without being told where."""
+    if not cert_path.exists():
+        return
+    try:
+        there = client_kind(load_cert(cert_path))
+    except PKIError:
+        return  # not a certificate of ours: replaced as before
+    if there is not None and there != kind:
+        whose = "an administrator's" if there == "admin" else "a node's"
+        raise PKIError(
+            f"{cert_path} is {whose} certificate; writing {'a node' if kind == 'node' else 'an administrator'}'s "
+            "certificate over it would take that credential away. Give another name, or --out another directory"
+        )
+
+
 def issue_client(
-    ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], node_id: str, days: int = LEAF_DAYS
+    ca_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    node_id: str,
+    days: int = LEAF_DAYS,
+    *,
+    admin_names: Collection[str],
 ) -> Issued:
-    """<node>.pem and <node>-key.pem whose common name is the node id the agent must claim."""
+    """<node>.pem and <node>-key.pem: a node's certificate (NODE_MARK) whose common name is the node id the
+    agent must claim. ``admin_names`` are refused as node ids (config.server.ServerConfig.admin_names)."""
     validate_node_id(node_id)
-    cert, key = _issue(ca_dir, node_id, [], ExtendedKeyUsageOID.CLIENT_AUTH, days)
+    check_not_admin_name(node_id, admin_names)
     out = Path(out_dir)
+    _refuse_overwriting_other_kind(out / f"{node_id}.pem", "node")
+    cert, key = _issue(ca_dir, node_id, [], [ExtendedKeyUsageOID.CLIENT_AUTH, NODE_MARK], days)
     return _write_pair(out / f"{node_id}.pem", out / f"{node_id}-key.pem", cert, key)
+
+
+def issue_admin(
+    ca_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], name: str, days: int = LEAF_DAYS
+) -> Issued:
+    """<name>.pem and <name>-key.pem: an administrator's certificate (ADMIN_MARK), a credential on an admin
+    listener whose admin_tls.clients lists ``name``, and refused on the agent stream."""
+    _validate_name(name, "administrator name", "admin or ops-alice")
+    out = Path(out_dir)
+    _refuse_overwriting_other_kind(out / f"{name}.pem", "admin")
+    cert, key = _issue(ca_dir, name, [], [ExtendedKeyUsageOID.CLIENT_AUTH, ADMIN_MARK], days)
+    return _write_pair(out / f"{name}.pem", out / f"{name}-key.pem", cert, key)
 
 
 def near_end(cert: x509.Certificate) -> bool:

@@ -7,7 +7,7 @@ import ssl
 
 from cryptography import x509
 
-from llmgw.pki.ca import PKIError, common_name, load_cert, load_pair
+from llmgw.pki.ca import PKIError, client_kind, common_name, load_cert, load_pair
 
 _Path = str | os.PathLike[str]
 
@@ -43,14 +43,20 @@ def client_context(ca: _Path, cert: _Path | None = None, key: _Path | None = Non
     return _load(ctx, ca, cert, key)
 
 
-def peer_node_id(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
-    """The common name of the certificate the peer presented, or None when it presented none."""
+def peer_certificate(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> x509.Certificate | None:
+    """The certificate the peer presented (verified by the handshake), or None when it presented none."""
     if ssl_object is None:
         return None
     der = ssl_object.getpeercert(binary_form=True)
     if not der:
         return None
-    return common_name(x509.load_der_x509_certificate(der))
+    return x509.load_der_x509_certificate(der)
+
+
+def peer_node_id(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
+    """The common name of the certificate the peer presented, or None when it presented none."""
+    cert = peer_certificate(ssl_object)
+    return None if cert is None else common_name(cert)
 
 
 def check_claim(cert_cn: str | None, claimed_node_id: str) -> str | None:
@@ -60,4 +66,22 @@ def check_claim(cert_cn: str | None, claimed_node_id: str) -> str | None:
         return f"the agent claims to be {claimed_node_id} but presented no certificate naming a node; {fix}"
     if cert_cn != claimed_node_id:
         return f"the certificate is for {cert_cn} but the agent claims to be {claimed_node_id}; {fix}"
+    return None
+
+
+def check_node_certificate(cert: x509.Certificate | None, claimed_node_id: str, *, require_mark: bool) -> str | None:
+    """The refusal to send an agent whose certificate does not make it node ``claimed_node_id``: another name,
+    an administrator's certificate, or (``require_mark``) one issued before node certificates were marked."""
+    refusal = check_claim(None if cert is None else common_name(cert), claimed_node_id)
+    if refusal is not None or cert is None:
+        return refusal
+    kind = client_kind(cert)
+    fix = f"issue the node's own with `llmgw ctl cert issue-client {claimed_node_id}` (or run `llmgw node add` again)"
+    if kind == "admin":
+        return f"the certificate for {claimed_node_id} is an administrator's, which never joins as a node; {fix}"
+    if kind is None and require_mark:
+        return (
+            f"the certificate for {claimed_node_id} has no node mark (it was issued before llmgw marked node "
+            f"certificates) and agent_tls.require_node_mark is on; {fix}"
+        )
     return None

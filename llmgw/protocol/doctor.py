@@ -100,6 +100,9 @@ class ControlPlane(WireModel):
     certificate_problem: str | None = None
     certificate_names: list[str] | None = None  # what the server's certificate names
     client_certificate: bool | None = None  # this node's certificate was presented
+    # The mark this node's certificate carries: "node", "admin" (refused on the agent stream), or
+    # "unmarked" (issued before llmgw marked node certificates).
+    client_certificate_kind: str | None = None
     # Seconds the control plane's clock is ahead of this node's (negative: behind).
     clock_offset_s: float | None = None
     clock_error: str | None = None

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from cryptography import x509
 
 from llmgw import __version__
 from llmgw.config.server import EndpointConfig, ServerConfig, resolve_workers
@@ -24,7 +25,7 @@ from llmgw.files import SecretFileError
 from llmgw.gcfreeze import GcFreezer
 from llmgw.gguf import check_gguf_url
 from llmgw.httpserve import Runner, begin_drain, drain
-from llmgw.pki import PKIError, peer_node_id, server_context
+from llmgw.pki import PKIError, peer_certificate, server_context
 from llmgw.server import StartError
 from llmgw.server.admin.access import AccessError, AdminAccess, ensure_first_token
 from llmgw.server.admin.api import AdminAPI, NoMirror, NotControlPlane, dumps
@@ -541,8 +542,9 @@ class Server:
         self.leadership = Leadership(self.store, c.lease_ttl, holder_words(self.config.admin_listen))
         self.agents = AgentService(
             leadership=self.leadership if self.leadership.enabled else None,
-            identity=_certificate_node if mtls else None,
+            identity=_client_certificate if mtls else None,
             require_identity=mtls,
+            require_node_mark=self.config.agent_tls is not None and self.config.agent_tls.require_node_mark,
             unreachable_after=c.unreachable_after,
             lost_after=c.lost_after,
             heartbeat_rate=c.heartbeat_rate,
@@ -622,9 +624,9 @@ class Server:
         )
 
 
-def _certificate_node(request: web.Request) -> str | None:
-    """The node named by the client certificate the TLS handshake verified."""
-    return peer_node_id(request.transport.get_extra_info("ssl_object") if request.transport else None)
+def _client_certificate(request: web.Request) -> x509.Certificate | None:
+    """The client certificate the TLS handshake verified."""
+    return peer_certificate(request.transport.get_extra_info("ssl_object") if request.transport else None)
 
 
 @web.middleware

@@ -106,7 +106,13 @@ def write_server_config(
         # cores, most of a second to the key) and memory from the engine.
         "workers": 1,
         "agent_listen": f"127.0.0.1:{agent_port}",
-        "agent_tls": {"ca": str(pki.ca), "cert": str(pki.server), "key": str(pki.server_key)},
+        # ensure_pki reissues an unmarked node certificate, so up's one node always has the mark.
+        "agent_tls": {
+            "ca": str(pki.ca),
+            "cert": str(pki.server),
+            "key": str(pki.server_key),
+            "require_node_mark": True,
+        },
         # One node on loopback, heartbeating every 2s: react within a second. The one agent is known,
         # so the control plane places as soon as it has registered rather than waiting out the settle
         # time (unreachable_after) for others to come back.

@@ -9,10 +9,12 @@ from pathlib import Path
 
 from cryptography import x509
 
+from llmgw.config.server import DEFAULT_ADMIN_CLIENT
 from llmgw.pki import (
     CA_CERT,
     CA_KEY,
     PKIError,
+    client_kind,
     common_name,
     init_ca,
     issue_client,
@@ -91,8 +93,10 @@ def ensure_pki(workdir: Path, node_id: str = NODE_ID) -> tuple[Pki, list[str]]:
     if not _leaf_ok(pki, pki.server, pki.server_key, lambda c: set(SERVER_NAMES) <= set(san_names(c))):
         issue_server(pki.dir, pki.dir, list(SERVER_NAMES))
         made.append("control plane certificate")
-    if not _leaf_ok(pki, pki.client, pki.client_key, lambda c: common_name(c) == node_id):
-        issue_client(pki.dir, pki.dir, node_id)
+    # A node certificate from before node certificates were marked is issued again, marked.
+    if not _leaf_ok(pki, pki.client, pki.client_key, lambda c: common_name(c) == node_id and client_kind(c) == "node"):
+        # up's admin listener has no admin_tls: only the default administrator's name is reserved.
+        issue_client(pki.dir, pki.dir, node_id, admin_names={DEFAULT_ADMIN_CLIENT})
         made.append(f"agent certificate ({node_id})")
     for key in (pki.dir / CA_KEY, pki.server_key, pki.client_key):
         os.chmod(key, 0o600)  # whoever copied them in, they stay private

@@ -60,7 +60,7 @@ class Listener:
 @pytest.fixture
 def pki(tmp_path):
     init_ca(tmp_path / "ca")
-    issue_client(tmp_path / "ca", tmp_path / "node", "node-a")
+    issue_client(tmp_path / "ca", tmp_path / "node", "node-a", admin_names={"admin"})
     return tmp_path
 
 
@@ -140,3 +140,23 @@ def test_nothing_listening_is_unreachable():
         port = s.getsockname()[1]
     cp = dial_control_plane(ControlPlaneTarget(f"127.0.0.1:{port}", "127.0.0.1", port, ca="/nonexistent"))
     assert cp.reachable is False and cp.connect_error
+
+
+def test_a_node_certificate_without_the_node_mark_warns_and_an_administrators_fails_with_the_node_add_fix(pki):
+    from llmgw.pki import issue_admin
+    from llmgw.testing.pki import issue_unmarked
+
+    with Listener(server_for(pki, ["127.0.0.1"])) as srv:
+        marked = dial_control_plane(target(pki, srv.port))
+        issue_unmarked(pki / "ca", pki / "node", "node-a")
+        unmarked = dial_control_plane(target(pki, srv.port))
+        (pki / "node" / "node-a.pem").unlink()
+        issue_admin(pki / "ca", pki / "node", "node-a")
+        admin = dial_control_plane(target(pki, srv.port))
+    assert marked.client_certificate_kind == "node"
+    assert [f.level for f in evaluate(Facts(control_plane=marked))] == [Level.OK, Level.OK]
+    assert unmarked.client_certificate_kind == "unmarked"
+    (warn,) = [f for f in evaluate(Facts(control_plane=unmarked)) if f.level is Level.WARN]
+    assert "no node mark" in warn.message and "require_node_mark" in warn.message and "node add" in (warn.fix or "")
+    (fail,) = [f for f in evaluate(Facts(control_plane=admin)) if f.level is Level.FAIL]
+    assert "is an administrator's" in fail.message and "node add" in (fail.fix or "")

@@ -325,8 +325,8 @@ async def test_on_tls_a_control_plane_certificate_or_the_token_is_a_credential_a
     pki = tmp_path / "pki"
     init_ca(pki)
     issue_server(pki, pki, ["127.0.0.1"])
-    issue_client(pki, pki, "control-plane")
-    issue_client(pki, pki, "node-a")
+    issue_client(pki, pki, "control-plane", admin_names={"admin"})
+    issue_client(pki, pki, "node-a", admin_names={"admin"})
     ctx = server_context(pki / "ca.pem", pki / "server.pem", pki / "server-key.pem", require_client=False)
     access = ApiAccess(token=TOKEN, token_file="/t", tls_clients=("control-plane",))
     app = api_app(FakeManager(tmp_path), tmp_path, "http://m:8081", access)
@@ -354,7 +354,7 @@ async def test_on_tls_a_control_plane_certificate_or_the_token_is_a_credential_a
                 assert r.status == 200
             other = tmp_path / "other"
             init_ca(other)
-            issue_client(other, other, "control-plane")
+            issue_client(other, other, "control-plane", admin_names={"admin"})
             with pytest.raises((aiohttp.ClientError, ssl.SSLError, ConnectionError)):
                 # A certificate from another authority fails the handshake itself.
                 foreign = client_context(pki / "ca.pem", other / "control-plane.pem", other / "control-plane-key.pem")

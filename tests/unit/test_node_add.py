@@ -12,7 +12,16 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app
 from llmgw.onboard import OnboardError
-from llmgw.onboard.add import Adder, AddOptions, ControlPlane, Fabric, dial_url, fabric_groups, read_control_plane
+from llmgw.onboard.add import (
+    Adder,
+    AddOptions,
+    ControlPlane,
+    Fabric,
+    Outcome,
+    dial_url,
+    fabric_groups,
+    read_control_plane,
+)
 from llmgw.onboard.ssh import Result, Target, known_keys
 from llmgw.progress import PlainSteps
 from llmgw.protocol.doctor import DoctorReport
@@ -202,3 +211,54 @@ def test_the_command_refuses_contradicting_flags_and_node_with_several_hosts(tmp
 def test_a_missing_authority_is_said_before_any_host_is_tried(tmp_path):
     r = runner.invoke(app, ["node", "add", "root@192.0.2.1", "--plain", "--pki", str(tmp_path / "none")])
     assert r.exit_code != 0 and "authority" in r.output and "192.0.2.1" not in r.output
+
+
+def test_node_add_refuses_an_administrators_name_given_with_node_before_any_ssh(control_plane, monkeypatch):
+    import llmgw.onboard.add as add
+
+    opts, _ = control_plane
+    dialled: list[str] = []
+
+    async def no_ssh(target, **kw):
+        dialled.append(target.host)
+        raise AssertionError("node add dialled SSH")
+
+    monkeypatch.setattr(add, "connect", no_ssh)
+    opts.node_id = "admin"
+    steps = AskingSteps([])
+    with pytest.raises(OnboardError, match=r"--node admin: 'admin' is an administrator's name"):
+        add.add_nodes(opts, steps, admin=lambda url, token: None)  # type: ignore[arg-type, return-value]
+    assert dialled == [] and "FAILED" in steps.lines[-1]
+
+
+class NamedHost:
+    """A machine reached over SSH whose host name is ``hostname``; records what would change on it."""
+
+    sudo = True
+
+    def __init__(self, hostname: str) -> None:
+        self.hostname = hostname
+        self.written: list[str] = []
+        self.ran: list[str] = []
+
+    async def check_sudo(self) -> None:
+        pass
+
+    async def must(self, command: str, doing: str) -> str:
+        self.ran.append(command)
+        return {"hostname": self.hostname + "\n", "uname -m": "x86_64\n"}[command]
+
+    async def write(self, path: str, data: bytes, mode: int) -> None:
+        self.written.append(path)
+
+
+def test_a_host_named_admin_is_refused_as_soon_as_its_name_is_read_and_nothing_on_it_changes(control_plane):
+    opts, cp = control_plane
+    steps = AskingSteps([])
+    adder = Adder(opts, steps, cp)
+    host = NamedHost("admin")
+    steps.begin("b ssh", "ssh")
+    with pytest.raises(OnboardError, match=r"b: 'admin' is an administrator's name.*--node ID"):
+        asyncio.run(adder._on(host, Target("b"), "https://127.0.0.1:7443", Outcome("b"), "b ssh", None))  # type: ignore[arg-type]
+    assert host.ran == ["hostname", "uname -m"] and host.written == []
+    assert "FAILED" in steps.lines[-1]

@@ -12,11 +12,17 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from llmgw.pki import (
+    ADMIN_MARK,
+    NODE_MARK,
     PKIError,
     check_claim,
+    check_node_certificate,
+    check_not_admin_name,
     client_context,
+    client_kind,
     common_name,
     init_ca,
+    issue_admin,
     issue_client,
     issue_server,
     load_ca,
@@ -26,6 +32,7 @@ from llmgw.pki import (
     server_context,
     verify_issued_by,
 )
+from llmgw.testing.pki import issue_unmarked
 
 
 @pytest.fixture()
@@ -33,7 +40,7 @@ def fleet(tmp_path):
     ca = tmp_path / "pki"
     init_ca(ca)
     issue_server(ca, tmp_path / "srv", ["localhost", "127.0.0.1", "::1", "cp.internal"])
-    issue_client(ca, tmp_path / "cl", "node-a")
+    issue_client(ca, tmp_path / "cl", "node-a", admin_names={"admin"})
     return tmp_path
 
 
@@ -114,13 +121,13 @@ def test_bracketed_ipv6_is_an_ip_san(tmp_path):
 def test_issue_client_refuses_bad_node_id(tmp_path, node):
     init_ca(tmp_path)
     with pytest.raises(PKIError, match="not a valid node id"):
-        issue_client(tmp_path, tmp_path / "out", node)
+        issue_client(tmp_path, tmp_path / "out", node, admin_names={"admin"})
     assert not (tmp_path / "out").exists()
 
 
 def test_issuing_without_authority_says_how_to_make_one(tmp_path):
     with pytest.raises(PKIError, match=r"no authority in .*run 'llmgw ctl cert init-ca --dir"):
-        issue_client(tmp_path, tmp_path, "node-a")
+        issue_client(tmp_path, tmp_path, "node-a", admin_names={"admin"})
 
 
 def test_mismatched_key_refused(fleet):
@@ -140,7 +147,7 @@ def test_missing_files_refused(tmp_path):
 
 def test_cert_from_another_authority_refused(fleet, tmp_path):
     init_ca(tmp_path / "other")
-    issue_client(tmp_path / "other", tmp_path / "other", "node-a")
+    issue_client(tmp_path / "other", tmp_path / "other", "node-a", admin_names={"admin"})
     with pytest.raises(PKIError, match="was not issued by the authority"):
         verify_issued_by(fleet / "pki" / "ca.pem", tmp_path / "other" / "node-a.pem")
 
@@ -204,7 +211,7 @@ def test_handshake_with_fleet_client_cert(fleet, host):
 
 def test_handshake_refuses_cert_from_another_authority(fleet, tmp_path):
     init_ca(tmp_path / "other")
-    issue_client(tmp_path / "other", tmp_path / "other", "node-a")
+    issue_client(tmp_path / "other", tmp_path / "other", "node-a", admin_names={"admin"})
     # Trusts the real server, but presents a certificate the fleet's authority did not sign.
     cctx = client_context(
         fleet / "pki" / "ca.pem", tmp_path / "other" / "node-a.pem", tmp_path / "other" / "node-a-key.pem"
@@ -241,3 +248,75 @@ def test_address_missing_from_sans_fails_even_as_common_name(fleet, tmp_path):
     cctx = client_context(fleet / "pki" / "ca.pem", fleet / "cl" / "node-a.pem", fleet / "cl" / "node-a-key.pem")
     reply, _ = asyncio.run(_exchange(sctx, cctx))
     assert isinstance(reply, ssl.SSLCertVerificationError)
+
+
+# ---- the node's and the administrator's marks ------------------------------
+
+
+def _usages(path) -> list:
+    return list(load_cert(path).extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+
+
+def test_a_node_certificate_carries_the_node_mark_and_an_administrators_the_admin_mark_both_for_client_auth(tmp_path):
+    init_ca(tmp_path)
+    node = issue_client(tmp_path, tmp_path / "n", "gpu-01", admin_names={"admin"})
+    admin = issue_admin(tmp_path, tmp_path / "a", "admin")
+    assert client_kind(load_cert(node.cert)) == "node" and client_kind(load_cert(admin.cert)) == "admin"
+    assert _usages(node.cert) == [ExtendedKeyUsageOID.CLIENT_AUTH, NODE_MARK]
+    assert _usages(admin.cert) == [ExtendedKeyUsageOID.CLIENT_AUTH, ADMIN_MARK]
+    assert common_name(load_cert(admin.cert)) == "admin"
+    assert stat.S_IMODE(admin.key.stat().st_mode) == 0o600
+    # Neither a server certificate nor one issued before the marks is of either kind.
+    assert client_kind(load_cert(issue_server(tmp_path, tmp_path / "s", ["cp"]).cert)) is None
+    assert client_kind(load_cert(issue_unmarked(tmp_path, tmp_path / "old", "gpu-02").cert)) is None
+
+
+def test_a_node_id_that_is_an_administrators_name_is_refused_and_nothing_is_written(tmp_path):
+    init_ca(tmp_path)
+    with pytest.raises(PKIError, match=r"'ops' is an administrator's name .*admin, ops.*issue-admin ops"):
+        issue_client(tmp_path, tmp_path / "out", "ops", admin_names={"admin", "ops"})
+    with pytest.raises(PKIError, match="'admin' is an administrator's name"):
+        issue_client(tmp_path, tmp_path / "out", "admin", admin_names={"admin"})
+    assert not (tmp_path / "out").exists()
+    assert check_not_admin_name("gpu-01", {"admin"}) == "gpu-01"
+
+
+def test_one_kind_of_certificate_is_never_written_over_the_other(tmp_path):
+    init_ca(tmp_path)
+    issue_client(tmp_path, tmp_path, "ops-alice", admin_names={"admin"})
+    before = (tmp_path / "ops-alice.pem").read_bytes()
+    with pytest.raises(PKIError, match=r"ops-alice\.pem is a node's certificate.*--out another directory"):
+        issue_admin(tmp_path, tmp_path, "ops-alice")
+    assert (tmp_path / "ops-alice.pem").read_bytes() == before
+    issue_admin(tmp_path, tmp_path / "a", "ops-bob")
+    with pytest.raises(PKIError, match="is an administrator's certificate"):
+        issue_client(tmp_path, tmp_path / "a", "ops-bob", admin_names={"admin"})
+    # The same kind again is a reissue, as before; an unmarked one is replaced by its marked successor.
+    issue_admin(tmp_path, tmp_path / "a", "ops-bob")
+    issue_unmarked(tmp_path, tmp_path / "old", "admin")
+    issue_admin(tmp_path, tmp_path / "old", "admin")
+    assert client_kind(load_cert(tmp_path / "old" / "admin.pem")) == "admin"
+
+
+def test_an_administrator_name_must_be_one_a_certificate_and_a_file_can_hold(tmp_path):
+    init_ca(tmp_path)
+    with pytest.raises(PKIError, match="not a valid administrator name"):
+        issue_admin(tmp_path, tmp_path / "out", "../admin")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_agent_stream_refuses_an_administrators_certificate_and_an_unmarked_one_only_when_told(tmp_path):
+    init_ca(tmp_path)
+    node = load_cert(issue_client(tmp_path, tmp_path, "gpu-01", admin_names={"admin"}).cert)
+    admin = load_cert(issue_admin(tmp_path, tmp_path / "a", "gpu-01").cert)
+    old = load_cert(issue_unmarked(tmp_path, tmp_path / "old", "gpu-01").cert)
+    for strict in (False, True):
+        assert check_node_certificate(node, "gpu-01", require_mark=strict) is None
+        refusal = check_node_certificate(admin, "gpu-01", require_mark=strict)
+        assert refusal is not None and "is an administrator's, which never joins as a node" in refusal
+        assert "`llmgw ctl cert issue-client gpu-01`" in refusal
+        assert "the agent claims to be gpu-02" in (check_node_certificate(node, "gpu-02", require_mark=strict) or "")
+    assert check_node_certificate(old, "gpu-01", require_mark=False) is None
+    refusal = check_node_certificate(old, "gpu-01", require_mark=True)
+    assert refusal is not None and "has no node mark" in refusal and "require_node_mark" in refusal
+    assert "presented no certificate" in (check_node_certificate(None, "gpu-01", require_mark=False) or "")

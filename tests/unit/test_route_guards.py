@@ -310,16 +310,25 @@ async def test_the_first_admin_token_file_is_owner_only_and_survives_a_restart(s
     assert [t.name for t in await server.store.list_admin_tokens()] == [f"first token ({path})"]
 
 
-async def test_on_a_tls_admin_listener_a_listed_client_certificate_is_a_credential_and_a_nodes_is_not(tmp_path):
+async def test_on_a_tls_admin_listener_only_a_listed_administrators_certificate_opens_it_never_a_nodes_named_admin(
+    tmp_path, caplog
+):
+    import logging
     import ssl
 
-    from llmgw.pki import init_ca, issue_client, issue_server
+    from llmgw.pki import init_ca, issue_admin, issue_client, issue_server
+    from llmgw.testing.pki import issue_unmarked
 
     pki = tmp_path / "pki"
     ca = init_ca(pki)
     srv = issue_server(pki, pki, ["127.0.0.1", "localhost"])
-    admin = issue_client(pki, pki, "admin")
-    node = issue_client(pki, pki, "node-a")
+    admin = issue_admin(pki, pki / "admins", "admin")
+    # A node named admin, made as issue-client would make it if the name were not reserved.
+    node_named_admin = issue_client(pki, pki / "nodes", "admin", admin_names=())
+    node = issue_client(pki, pki, "node-a", admin_names={"admin"})
+    unlisted_admin = issue_admin(pki, pki / "admins", "ops-bob")
+    # An administrator's certificate from before the marks: it cannot be told from a node's named admin.
+    old_admin = issue_unmarked(pki, pki / "old", "admin")
     cfg = parse_server_config(
         {
             "listen": f"127.0.0.1:{_port()}",
@@ -342,11 +351,30 @@ async def test_on_a_tls_admin_listener_a_listed_client_certificate_is_a_credenti
     try:
         async with httpx.AsyncClient(verify=ctx(admin)) as http:
             assert (await http.get(url)).status_code == 200
+        async with httpx.AsyncClient(verify=ctx(node_named_admin)) as http:
+            r = await http.get(url)
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "admin_certificate_refused"
+            assert "is a node's" in r.json()["error"]["message"]
+            assert "llmgw ctl cert issue-admin admin" in r.json()["error"]["message"]
         async with httpx.AsyncClient(verify=ctx(node)) as http:
             r = await http.get(url)
             assert r.status_code == 401 and "issued to admin" in r.json()["error"]["message"]
+        async with httpx.AsyncClient(verify=ctx(unlisted_admin)) as http:
+            assert (await http.get(url)).status_code == 401  # marked, but not listed
+        with caplog.at_level(logging.WARNING, "llmgw.server.admin"):
+            for _ in range(2):
+                async with httpx.AsyncClient(verify=ctx(old_admin)) as http:
+                    r = await http.get(url)
+                    assert r.status_code == 401
+                    assert "has no administrator's mark" in r.json()["error"]["message"]
+                    assert "llmgw ctl cert issue-admin admin" in r.json()["error"]["message"]
+        said = [m for m in caplog.messages if "no administrator's mark" in m]
+        assert len(said) == 1 and "issue it again with `llmgw ctl cert issue-admin admin`" in said[0]
         async with httpx.AsyncClient(verify=ctx(), headers=admin_headers(s)) as http:
             assert (await http.get(url)).status_code == 200  # a token works over TLS too
+        async with httpx.AsyncClient(verify=ctx(node_named_admin), headers=admin_headers(s)) as http:
+            assert (await http.get(url)).status_code == 200  # and beside a refused certificate
     finally:
         await s.stop()
 

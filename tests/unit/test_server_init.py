@@ -139,6 +139,7 @@ def test_server_yaml_loads_and_holds_mutual_tls_auth_and_an_enabled_control_plan
     cfg = load_server_config(m.config)
     assert cfg.control.enabled and cfg.auth.enabled and cfg.models == []
     assert cfg.agent_tls is not None and cfg.agent_tls.cert == str(m.etc / "server.pem")
+    assert cfg.agent_tls.require_node_mark  # a new control plane's nodes all get marked certificates
     assert cfg.auth.default_price is not None and cfg.auth.default_rpm
     assert cfg.data_path == str(m.var)
     # The mirror beside it: its API on loopback with its token, llama.cpp offered to nodes from its bytes.

@@ -178,6 +178,25 @@ def test_this_machine_joins_as_a_node_labelled_as_the_control_plane_with_its_own
     assert "kept" in step(again, 10) and not system.ran("restart")
 
 
+def test_the_self_nodes_certificate_is_reissued_with_the_node_mark_and_never_under_an_administrators_name(tmp_path):
+    from llmgw.pki import PKIError, client_kind, init_ca
+    from llmgw.testing.pki import issue_unmarked
+
+    pki, etc = tmp_path / "pki", tmp_path / "etc"
+    etc.mkdir()
+    init_ca(pki)
+    old = issue_unmarked(pki, tmp_path / "old", "cp1")
+    old.cert.rename(etc / "agent.pem")
+    old.key.rename(etc / "agent-key.pem")
+    assert cluster.agent_certificate(pki, etc, "cp1", frozenset({"admin"})) == f"issued {etc / 'agent.pem'} for cp1"
+    assert client_kind(load_cert(etc / "agent.pem")) == "node"
+    assert cluster.agent_certificate(pki, etc, "cp1", frozenset({"admin"})) is None  # marked: kept
+    before = (etc / "agent.pem").read_bytes()
+    with pytest.raises(PKIError, match="'admin' is an administrator's name"):
+        cluster.agent_certificate(pki, etc, "admin", frozenset({"admin"}))
+    assert (etc / "agent.pem").read_bytes() == before
+
+
 def test_a_node_whose_llamacpp_install_fails_stops_init_with_the_agents_reason(tmp_path):
     m, _, _ = systemd_machine(tmp_path, install="failed")
     with pytest.raises(InitError, match="could not install llamacpp: 404 from the mirror"):

@@ -99,6 +99,7 @@ def test_server_config_runs_the_model_through_the_control_plane(tmp_path):
     cfg = load_server_config(path)
     assert cfg.control.enabled and str(cfg.agent_listen) == "127.0.0.1:17443"
     assert cfg.agent_tls.ca == str(pki.ca) and cfg.agent_tls.cert == str(pki.server)
+    assert cfg.agent_tls.require_node_mark  # ensure_pki never leaves up's node certificate unmarked
     assert cfg.auth.store == str(tmp_path / "llmgw.db") and cfg.metrics_listen is None
     assert cfg.engines.llamacpp == DEFAULT_LLAMACPP and cfg.engines.release_url is None
     assert cfg.mirror is None
@@ -272,3 +273,14 @@ def test_kill_leftovers_ignores_gone_processes():
 def test_check_llama_server(tmp_path):
     with pytest.raises(UpError, match="not an executable"):
         check_llama_server(str(tmp_path / "nope"))
+
+
+def test_an_agent_certificate_from_before_node_marks_is_issued_again_marked(tmp_path):
+    from llmgw.pki import client_kind
+    from llmgw.testing.pki import issue_unmarked
+
+    pki, _ = ensure_pki(tmp_path)
+    assert client_kind(load_cert(pki.client)) == "node"
+    issue_unmarked(pki.dir, pki.dir, "local")
+    _, made = ensure_pki(tmp_path)
+    assert made == ["agent certificate (local)"] and client_kind(load_cert(pki.client)) == "node"

@@ -1,5 +1,6 @@
-"""Who may use the admin API: an admin token, or a client certificate the fleet's CA issued
-to a name listed in admin_tls.clients. Being on loopback is not a credential.
+"""Who may use the admin API: an admin token, or an administrator's certificate (one the fleet's CA
+marked as an administrator's) issued to a name listed in admin_tls.clients. A node's certificate
+never is, whatever its name. Being on loopback is not a credential.
 
 The first token is made at the server's first start and written, mode 0600, to
 ``data_dir/admin-token``, where `llmgw ctl` on this machine finds it.
@@ -16,10 +17,10 @@ from aiohttp import web
 from llmgw.config.server import ADMIN_TOKEN_FILE
 from llmgw.errors import LlmgwError
 from llmgw.files import SecretFileError, read_secret_file
-from llmgw.pki import peer_node_id
+from llmgw.pki import client_kind, common_name, peer_certificate
 from llmgw.server.gateway.errors import error_response
 from llmgw.store.admin_tokens import ensure_token_file
-from llmgw.webguard import Guard, bearer_token, guard_for, machine_names
+from llmgw.webguard import CredentialRefused, Guard, bearer_token, guard_for, machine_names
 
 if TYPE_CHECKING:
     from llmgw.config.server import ServerConfig
@@ -82,19 +83,52 @@ class AdminAccess:
             "`llmgw ctl token create NAME` makes another; pass one with --token-file or LLMGW_ADMIN_TOKEN"
         )
         if self.tls_clients:
-            how += f", or present a client certificate issued to {' or '.join(sorted(self.tls_clients))}"
+            how += (
+                f", or present an administrator's certificate issued to {' or '.join(sorted(self.tls_clients))} "
+                "(`llmgw ctl cert issue-admin NAME`)"
+            )
         self.guard: Guard = guard_for(names, self.authenticate, how, _error, OPEN_PATHS)
+        self._unmarked_said: set[str] = set()  # listed names already logged as needing reissue
 
     async def authenticate(self, request: web.Request) -> str | None:
+        refused: str | None = None
         if self.tls_clients and request.transport is not None:
-            name = peer_node_id(request.transport.get_extra_info("ssl_object"))
-            if name is not None and name in self.tls_clients:
-                return f"certificate {name}"
+            cert = peer_certificate(request.transport.get_extra_info("ssl_object"))
+            name = None if cert is None else common_name(cert)
+            if cert is not None and name is not None and name in self.tls_clients:
+                kind = client_kind(cert)
+                if kind == "admin":
+                    return f"certificate {name}"
+                refused = self._refusal(name, kind is None)
         token = bearer_token(request)
-        if token is None:
-            return None
-        tok = await self.store.admin_token_by_secret(token)
-        return None if tok is None else f"token {tok.id}"
+        tok = None if token is None else await self.store.admin_token_by_secret(token)
+        if tok is not None:
+            return f"token {tok.id}"
+        if refused is not None:
+            raise CredentialRefused(refused, "admin_certificate_refused")
+        return None
+
+    def _refusal(self, name: str, unmarked: bool) -> str:
+        """Why a certificate whose name is listed is still no credential: only the mark makes it one."""
+        reissue = (
+            f"issue an administrator's certificate with `llmgw ctl cert issue-admin {name}` where the fleet's CA "
+            "is kept and present that, or send an admin token"
+        )
+        if not unmarked:
+            return f"the client certificate for {name} is a node's, and a node's certificate never opens the admin API; {reissue}"
+        if name not in self._unmarked_said:
+            self._unmarked_said.add(name)
+            log.warning(
+                "refused the certificate for %s on the admin API: it has no administrator's mark (issued before "
+                "llmgw marked administrators' certificates); issue it again with `llmgw ctl cert issue-admin %s`",
+                name,
+                name,
+            )
+        return (
+            f"the client certificate for {name} has no administrator's mark: it was issued before llmgw marked "
+            f"administrators' certificates (or by `issue-client`), and such a certificate cannot be told from a "
+            f"node's; {reissue}"
+        )
 
 
 def _error(status: int, message: str, code: str) -> web.Response:

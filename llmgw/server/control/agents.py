@@ -27,10 +27,11 @@ from typing import Protocol
 
 import aiohttp
 from aiohttp import web
+from cryptography import x509
 
 from llmgw.errors import LlmgwError
 from llmgw.gcfreeze import GcFreezer
-from llmgw.pki import check_claim
+from llmgw.pki import check_node_certificate, client_kind
 from llmgw.protocol import (
     FEATURE_DRAIN,
     FEATURE_FABRIC_SCAN,
@@ -124,7 +125,8 @@ class Leadership(Protocol):
     def is_leader(self) -> bool: ...
 
 
-Identity = Callable[[web.Request], "str | None"]
+# The client certificate the stream's TLS handshake verified, or None when the agent presented none.
+Identity = Callable[[web.Request], "x509.Certificate | None"]
 
 
 def _utc(ts: float | None) -> str:
@@ -234,6 +236,7 @@ class AgentService:
         leadership: Leadership | None = None,
         identity: Identity | None = None,
         require_identity: bool = False,
+        require_node_mark: bool = False,
         unreachable_after: float = 15.0,
         lost_after: float = 60.0,
         heartbeat_rate: float | None = 200.0,
@@ -253,6 +256,8 @@ class AgentService:
         self.leadership = leadership
         self.identity = identity
         self.require_identity = require_identity
+        self.require_node_mark = require_node_mark
+        self._unmarked_said: set[str] = set()  # nodes already told to reissue: once each, not per reconnect
         self.unreachable_after = unreachable_after
         self.lost_after = lost_after
         self.heartbeat_rate = heartbeat_rate
@@ -576,13 +581,23 @@ class AgentService:
         if self.identity is None:
             return None
         try:
-            name = self.identity(request)
+            cert = self.identity(request)
         except Exception as exc:  # a broken callback refuses rather than admits
             log.exception("the identity check failed")
             return f"the client certificate could not be read: {exc}"
-        if name is None and not self.require_identity:
+        if cert is None and not self.require_identity:
             return None
-        return check_claim(name, claimed)
+        refusal = check_node_certificate(cert, claimed, require_mark=self.require_node_mark)
+        if refusal is None and cert is not None and client_kind(cert) is None and claimed not in self._unmarked_said:
+            self._unmarked_said.add(claimed)
+            log.warning(
+                "node %s joined with a certificate that has no node mark (issued before llmgw marked node "
+                "certificates); issue it again with `llmgw ctl cert issue-client %s` (or run `llmgw node add` "
+                "for it again), then set agent_tls.require_node_mark: true once every node's has been",
+                claimed,
+                claimed,
+            )
+        return refusal
 
     async def _refuse(self, ws: web.WebSocketResponse, msg_id: str | None, reason: str) -> None:
         # The agent logs an ack with ok=false; a register carries no id, so the
