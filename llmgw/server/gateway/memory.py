@@ -17,7 +17,8 @@ from llmgw import __version__
 from llmgw.errors import LlmgwError
 from llmgw.server.gateway.auth import AuthError
 from llmgw.server.gateway.conversations import NotKept, Scope
-from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.errors import error_response, limit_response
+from llmgw.server.gateway.limits import LimitError
 from llmgw.server.gateway.mcp import McpServer, Tool, ToolError
 from llmgw.server.gateway.principal import Principal
 from llmgw.store.errors import StoreError
@@ -71,7 +72,13 @@ class Memory:
     def __init__(self, gateway: Gateway, conversations: Conversations | None) -> None:
         self.gateway = gateway
         self.conversations = conversations
-        self.mcp = McpServer("llmgw-memory", __version__, self._tools(), instructions=_INSTRUCTIONS)
+        self.mcp = McpServer(
+            "llmgw-memory",
+            __version__,
+            self._tools(),
+            instructions=_INSTRUCTIONS,
+            sessions_per_owner=gateway.config.agents.mcp_sessions_per_key,
+        )
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/memory", self.create)
@@ -147,15 +154,22 @@ class Memory:
     # -- HTTP ---------------------------------------------------------------------------
 
     async def _answer(self, request: web.Request, op, status: int = 200) -> web.Response:
+        headers: dict[str, str] = {}
         try:
-            _, scope = await self._scope(request)
+            principal, scope = await self._scope(request)
+            # Counted before the body is read or the store asked: a key at its limits costs neither.
+            headers = await self.gateway.count_call(principal)
             result = await op(scope)
+        except LimitError as exc:
+            return limit_response(exc)
         except _NoteRefused as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return error_response(exc.status, exc.message, exc.code, headers=headers or None)
         except StoreError as exc:
             # The store's word on what it will not keep (a note too long, say).
-            return error_response(400, str(exc), "invalid_request")
-        return web.Response(status=status, body=orjson.dumps(result), content_type="application/json")
+            return error_response(400, str(exc), "invalid_request", headers=headers or None)
+        return web.Response(
+            status=status, body=orjson.dumps(result), content_type="application/json", headers=headers or None
+        )
 
     async def _body(self, request: web.Request) -> dict:
         if request.content_length is not None and request.content_length > MAX_BODY:
@@ -204,8 +218,11 @@ class Memory:
             principal, _ = await self._scope(request)
         except _NoteRefused as exc:
             return error_response(exc.status, exc.message, exc.code)
-        # A session belongs to the key that opened it; without keys, to the one shared pool.
-        return await self.mcp.handle(request, principal, principal.key_id or "anonymous")
+        # A session belongs to the key that opened it; without keys, to the one shared pool. Each
+        # call counts against the key's limits as one request (McpServer.handle).
+        return await self.mcp.handle(
+            request, principal, principal.key_id or "anonymous", lambda: self.gateway.count_call(principal)
+        )
 
     def _tool(self, name: str, description: str, schema: dict, run, read_only: bool = False) -> Tool:
         async def call(principal: Principal, args: dict) -> Any:
