@@ -280,6 +280,14 @@ class AgentApis:
         except LimitError as exc:
             return limit_response(exc, anthropic=route.anthropic)
 
+    async def _full(self, route: Route, scope: Scope, new_item: bool) -> web.Response | None:
+        """A refusal when the turn this request would keep has no room in its project's quota."""
+        assert self.conversations is not None
+        full = await self.conversations.full(scope, new_item)
+        if full is None:
+            return None
+        return self._refuse(route, full.status, str(full), full.code)
+
     def _after_reads(self, pre: Reservation | None) -> None:
         if pre is not None and self.gateway.accountant is not None:
             self.gateway.accountant.cancel(pre)
@@ -316,6 +324,13 @@ class AgentApis:
         if isinstance(context, web.Response):
             return context
         thread, scope = context
+        # Asked to keep it (store true, or a thread): refused up front when there is no room. A
+        # response kept by default (store left out) is answered anyway, and not kept.
+        kept_in = thread[0] if thread is not None else scope if req.store is True else None
+        if kept_in is not None:
+            refused = await self._full(route, kept_in, True)
+            if refused is not None:
+                return refused
         turn = req.turn
         conversations = self.conversations
 
@@ -394,6 +409,9 @@ class AgentApis:
             return thread
         out = MessagesReply(req, None)
         if thread is not None:
+            refused = await self._full(route, thread[0], not thread[2])
+            if refused is not None:
+                return refused
             messages_api.with_history(req, thread[2])
             out = MessagesReply(req, self._thread_turn(thread[0], thread[1], req.turn, req.model))
             out.headers[THREAD_HEADER] = thread[1]
@@ -498,6 +516,9 @@ class AgentApis:
             return thread
         assert thread is not None  # this route is taken only with the header
         scope, thread_id, history = thread
+        refused = await self._full(route, scope, not history)
+        if refused is not None:
+            return refused
         turn = list(body["messages"])
         body["messages"] = history + turn
         opts = body.get("stream_options")

@@ -21,7 +21,8 @@ from llmgw.server.gateway.errors import error_response, limit_response
 from llmgw.server.gateway.limits import LimitError
 from llmgw.server.gateway.mcp import McpServer, Tool, ToolError
 from llmgw.server.gateway.principal import Principal
-from llmgw.store.errors import StoreError
+from llmgw.store.agents import Quota
+from llmgw.store.errors import QuotaFull, StoreError
 
 if TYPE_CHECKING:
     from llmgw.server.gateway.conversations import Conversations
@@ -107,6 +108,10 @@ class Memory:
         return scope
 
     @property
+    def _quota(self) -> Quota | None:
+        return self.conversations.quota if self.conversations is not None else None
+
+    @property
     def _store(self) -> Any:
         assert self.conversations is not None
         return self.conversations.store
@@ -117,7 +122,7 @@ class Memory:
         text = _text_field(args, "text", True)
         title = _text_field(args, "title", False)
         assert text is not None
-        return _note(await self._store.create_note(scope.project_id, text, title))
+        return _note(await self._store.create_note(scope.project_id, text, title, self._quota))
 
     async def _get(self, scope: Scope, note_id: str) -> dict:
         n = await self._store.get_note(scope.project_id, note_id, scope.hours)
@@ -139,7 +144,7 @@ class Memory:
             raise _NoteRefused(400, "give 'text', 'title' or both: what the note should now say", "missing_field")
         if await self._store.get_note(scope.project_id, note_id, scope.hours) is None:
             raise _NoteRefused(404, f"there is no note {note_id[:64]!r} here", "note_not_found")
-        n = await self._store.update_note(scope.project_id, note_id, text=text, title=title)
+        n = await self._store.update_note(scope.project_id, note_id, text=text, title=title, quota=self._quota)
         if n is None:
             raise _NoteRefused(404, f"there is no note {note_id[:64]!r} here", "note_not_found")
         return _note(n)
@@ -164,6 +169,9 @@ class Memory:
             return limit_response(exc)
         except _NoteRefused as exc:
             return error_response(exc.status, exc.message, exc.code, headers=headers or None)
+        except QuotaFull as exc:
+            # The project's storage quota, named with what it keeps; nothing was written.
+            return error_response(exc.status, str(exc), exc.code, headers=headers or None)
         except StoreError as exc:
             # The store's word on what it will not keep (a note too long, say).
             return error_response(400, str(exc), "invalid_request", headers=headers or None)
