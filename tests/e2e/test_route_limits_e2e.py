@@ -214,3 +214,40 @@ def test_10050_mcp_sessions_opened_by_one_key_end_none_of_another_keys(gw):
     # The busy key kept its newest sessions, up to its bound (agents.mcp_sessions_per_key, 100).
     assert _mcp(gw, busy, ping, mine[-1]).status_code == 200
     assert _mcp(gw, busy, ping, mine[0]).status_code == 404
+
+
+@pytest.mark.parametrize("workers", WORKERS, ids=lambda n: f"workers={n}")
+def test_a_projects_storage_quota_refuses_notes_and_kept_conversations_naming_it(workers, fake_engine, tmp_path):
+    _, models = fake_engine
+    gw = Gateway(tmp_path, models, workers=workers, agents={"quota_items": 3, "quota_bytes": 100_000}).wait_up()
+    try:
+        _tenancy(gw)
+        for kind in ("threads", "memory"):
+            assert gw.keys(kind, "--project", PROJECT, "--retain-hours", "24").returncode == 0
+        auth = _accepted(gw, "writer")
+        until(lambda: httpx.get(gw.url + "/v1/memory", headers=auth).status_code == 200, 10, "notes to be kept", [gw])
+        first = httpx.post(gw.url + "/v1/memory", headers=auth, json={"text": "x" * 60_000, "title": "y" * 10})
+        assert first.status_code == 201  # 60 KB of the 100 KB
+        big = httpx.post(gw.url + "/v1/memory", headers=auth, json={"text": "x" * 50_000})
+        assert big.status_code == 429 and big.json()["error"]["code"] == "storage_quota_bytes"
+        assert "(agents.quota_bytes)" in big.json()["error"]["message"]
+        for i in range(2):
+            assert httpx.post(gw.url + "/v1/memory", headers=auth, json={"text": f"n{i}"}).status_code == 201
+        full = httpx.post(gw.url + "/v1/memory", headers=auth, json={"text": "four"})
+        assert full.status_code == 429 and full.json()["error"]["code"] == "storage_quota_items"
+        assert "keeps 3 of its 3" in full.json()["error"]["message"]
+        # A kept conversation is refused before its model call: the client hears it, nothing is kept.
+        turn = httpx.post(
+            gw.url + "/v1/chat/completions",
+            headers={**auth, "x-llmgw-thread": "new"},
+            json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=30,
+        )
+        assert turn.status_code == 429 and turn.json()["error"]["code"] == "storage_quota_items"
+        assert _stored_notes(gw) == 3
+        # Deleting a note frees its place.
+        note = httpx.get(gw.url + "/v1/memory", headers=auth).json()["data"][0]["id"]
+        assert httpx.delete(gw.url + f"/v1/memory/{note}", headers=auth).status_code == 200
+        assert httpx.post(gw.url + "/v1/memory", headers=auth, json={"text": "four"}).status_code == 201
+    finally:
+        assert gw.stop() == 0, gw.text()
