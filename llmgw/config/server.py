@@ -580,6 +580,31 @@ class ThreadsConfig(_Block):
         return self
 
 
+class AgentsConfig(_Block):
+    """Bounds on what one tenant may keep for its agents (docs/agents.md, Quotas): the conversations,
+    stored responses and notes of a project, and the MCP sessions of a key."""
+
+    quota_items: int = Field(
+        default=100_000,
+        ge=1,
+        description="Conversations, stored responses and notes one project keeps at most, together (without "
+        "authentication: the shared pool); a write past it is refused 429 (storage_quota_items) until some are "
+        "deleted or expire.",
+    )
+    quota_bytes: ByteSize = Field(
+        default=1024 * 1024 * 1024,
+        description="Bytes of note text and of conversation and stored-response messages (as JSON) one project "
+        "keeps at most, together; a write past it is refused 429 (storage_quota_bytes), one item larger than the "
+        "whole quota 413.",
+    )
+    mcp_sessions_per_key: int = Field(
+        default=100,
+        ge=1,
+        description="MCP sessions one key holds open at most in each gateway process; a new one past it ends "
+        "that key's least recently used session, never another key's.",
+    )
+
+
 class AdmissionConfig(_Block):
     """Saturated models: requests wait their turn, highest band first, tenants in turn within a band."""
 
@@ -941,6 +966,7 @@ class ServerConfig(_Block):
     landing: LandingConfig = Field(default_factory=LandingConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     threads: ThreadsConfig = Field(default_factory=ThreadsConfig)
+    agents: AgentsConfig = Field(default_factory=AgentsConfig)
 
     @property
     def admin_names(self) -> frozenset[str]:

@@ -66,6 +66,7 @@ from llmgw.server.workers import (
     leftover_journals,
 )
 from llmgw.store import PublishedEndpoint, Store
+from llmgw.store.agents import Quota
 
 log = logging.getLogger("llmgw.server")
 LISTEN_BACKLOG = 4096  # connections the kernel queues before the server accepts them
@@ -183,7 +184,9 @@ class Server:
                 log.warning("catalog: %s", problem)
         self.metrics.watch(self.endpoints, self.usage)
         self.gateway = Gateway(cfg, self.keys, self.endpoints, self.usage, self.metrics)
-        self.conversations = Conversations(self.store, self.keys, cfg.threads, cfg.auth.enabled)
+        self.conversations = Conversations(
+            self.store, self.keys, cfg.threads, cfg.auth.enabled, Quota(cfg.agents.quota_items, cfg.agents.quota_bytes)
+        )
         self.gateway.agents.keep(self.conversations)
         if self.gateway.accountant is not None and self.link is not None:
             # A worker asks the server process's accountant (gateway/worker_limits.py).

@@ -27,17 +27,31 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import ColumnClause, ColumnElement, and_, column, delete, func, literal_column, select, table, update
+from sqlalchemy import (
+    ColumnClause,
+    ColumnElement,
+    LargeBinary,
+    and_,
+    cast,
+    column,
+    delete,
+    func,
+    literal_column,
+    select,
+    table,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .errors import NotFound, StoreError
+from .errors import NotFound, QuotaFull, StoreError
 from .records import utcnow
 from .schema import (
     BUMP_GENERATION,
     NOTES_SEARCH,
+    agent_storage,
     memory_notes,
     project_retention,
     stored_responses,
@@ -99,6 +113,107 @@ class Swept:
     threads: int
     responses: int
     notes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What one project may keep (server.yaml agents.quota_items, agents.quota_bytes)."""
+
+    items: int
+    bytes: int
+
+
+# -- quotas ---------------------------------------------------------------------------------
+#
+# Each project's items and bytes are counted in its agent_storage row. Every write and every
+# delete locks that row first (_kept: an INSERT ... ON CONFLICT DO UPDATE, which on PostgreSQL
+# holds the row until the commit; SQLite's writes are serialized anyway), then checks, writes and
+# counts in the same transaction: two writes at once, in any processes or gateways, are counted
+# one after the other, and a refused write leaves nothing behind. Locking the counter before any
+# row of the kept data is the one order every transaction takes, so none waits on another in a
+# circle.
+
+
+def _octets(conn: AsyncConnection, col: Any) -> Any:
+    """The column's size as UTF-8 bytes, as Python's len(text.encode()) counts it (0 for null)."""
+    if conn.dialect.name == "postgresql":
+        return func.coalesce(func.octet_length(col), 0)
+    return func.coalesce(func.length(cast(col, LargeBinary)), 0)
+
+
+def _utf8(*texts: str | None) -> int:
+    return sum(len(t.encode("utf-8")) for t in texts if t)
+
+
+async def _kept(conn: AsyncConnection, project_id: str | None) -> tuple[int, int]:
+    """Lock the project's counter row (made when it has none) and read (items, bytes)."""
+    ins = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(agent_storage)
+    row = (
+        await conn.execute(
+            ins.values(scope=project_id or "", item_count=0, byte_count=0)
+            .on_conflict_do_update(
+                index_elements=[agent_storage.c.scope], set_={"item_count": agent_storage.c.item_count}
+            )
+            .returning(agent_storage.c.item_count, agent_storage.c.byte_count)
+        )
+    ).one()
+    return int(row.item_count), int(row.byte_count)
+
+
+async def _take(conn: AsyncConnection, project_id: str | None, items: int, size: int, quota: Quota | None) -> None:
+    """Count a write of `items` more items and `size` more bytes, or refuse it (QuotaFull) when the
+    quota has no room; locks the counter row first."""
+    used_items, used_bytes = await _kept(conn, project_id)
+    if quota is not None:
+        where = f"project {project_id}" if project_id else "the shared pool"
+        free = (
+            "; delete what is no longer needed (DELETE /v1/memory/ID, DELETE /v1/threads/ID) or wait until "
+            "older ones expire"
+        )
+        if size > quota.bytes:
+            raise QuotaFull(
+                f"this is {size:,} bytes to keep, more than the whole storage quota of {where} "
+                f"({quota.bytes:,} bytes, agents.quota_bytes); keep less at once",
+                413,
+                "storage_quota_bytes",
+            )
+        if items > 0 and used_items + items > quota.items:
+            raise QuotaFull(
+                f"the storage quota of {where} is full: it keeps {used_items:,} of its {quota.items:,} "
+                f"conversations, stored responses and notes (agents.quota_items){free}",
+                429,
+                "storage_quota_items",
+            )
+        if size > 0 and used_bytes + size > quota.bytes:
+            raise QuotaFull(
+                f"the storage quota of {where} is full: it keeps {used_bytes:,} of its {quota.bytes:,} bytes "
+                f"and this needs {size:,} more (agents.quota_bytes){free}",
+                429,
+                "storage_quota_bytes",
+            )
+    if items or size:
+        await _count(conn, project_id, items, size)
+
+
+async def _count(conn: AsyncConnection, project_id: str | None, items: int, size: int) -> None:
+    s = agent_storage
+    await conn.execute(
+        update(s)
+        .where(s.c.scope == (project_id or ""))
+        .values(item_count=s.c.item_count + items, byte_count=s.c.byte_count + size)
+    )
+
+
+async def _give_back(conn: AsyncConnection, gone: list[tuple[str | None, int, int]]) -> None:
+    """Uncount what was deleted: (project, items, bytes) rows, summed per project."""
+    by_scope: dict[str | None, list[int]] = {}
+    for project_id, items, size in gone:
+        acc = by_scope.setdefault(project_id, [0, 0])
+        acc[0] += items
+        acc[1] += int(size or 0)
+    for project_id, (items, size) in by_scope.items():
+        if items or size:
+            await _count(conn, project_id, -items, -size)
 
 
 # -- checks -------------------------------------------------------------------------------
@@ -244,10 +359,21 @@ def _chain(project_id: str | None, response_id: str, since: datetime | None) -> 
 
 async def _delete_threads(conn: AsyncConnection, where: ColumnElement[bool]) -> int:
     """Delete the threads matching where, and their messages (SQLite does not enforce the
-    foreign key's cascade); returns how many threads."""
-    gone = list((await conn.execute(delete(threads).where(where).returning(threads.c.id))).scalars())
-    for i in range(0, len(gone), _DELETE_BATCH):
-        await conn.execute(delete(thread_messages).where(thread_messages.c.thread.in_(gone[i : i + _DELETE_BATCH])))
+    foreign key's cascade), uncounted from their projects' storage (whose rows the caller has
+    locked, so no turn joins a thread between the choice and the delete); returns how many
+    threads. The messages go first: PostgreSQL's cascade would otherwise take them unseen."""
+    gone = {r.id: r.project_id for r in await conn.execute(select(threads.c.id, threads.c.project_id).where(where))}
+    ids = list(gone)
+    counted: list[tuple[str | None, int, int]] = [(p, 1, 0) for p in gone.values()]
+    m = thread_messages
+    for i in range(0, len(ids), _DELETE_BATCH):
+        batch = ids[i : i + _DELETE_BATCH]
+        sizes = await conn.execute(
+            delete(m).where(m.c.thread.in_(batch)).returning(m.c.thread, _octets(conn, m.c.message))
+        )
+        counted += [(gone[thread], 0, size) for thread, size in sizes]
+        await conn.execute(delete(threads).where(threads.c.id.in_(batch)))
+    await _give_back(conn, counted)
     return len(gone)
 
 
@@ -336,15 +462,22 @@ class AgentDataMixin:
                 q = select(thread_messages.c.message).where(thread_messages.c.thread == row.id)
                 return [json.loads(m) for m in await conn.scalars(q.order_by(thread_messages.c.seq))]
         async with self._writer.begin() as conn:
+            await _kept(conn, project_id)
             # Only if still expired: a turn may have come in since.
             await _delete_threads(conn, and_(threads.c.id == row.id, threads.c.last_turn_at < since))
         return None
 
     async def append_thread(
-        self, project_id: str | None, thread_id: str, messages: list[dict[str, Any]], model: str
+        self,
+        project_id: str | None,
+        thread_id: str,
+        messages: list[dict[str, Any]],
+        model: str,
+        quota: Quota | None = None,
     ) -> None:
         """Add messages to the end of the thread (created by its first append), in one
-        transaction; its last turn is now, by model."""
+        transaction; its last turn is now, by model. Refused (QuotaFull), writing nothing, when
+        the project's quota has no room for a new thread or the messages' bytes."""
         project_id = _check_project(project_id)
         thread_id = _check_caller_id("thread", thread_id)
         rows = [_json_text(m, f"Message {i}") for i, m in enumerate(_check_messages(messages))]
@@ -352,6 +485,9 @@ class AgentDataMixin:
             raise StoreError(f"The model of a turn is its name, not {model!r}.")
         now = utcnow()
         async with self._writer.begin() as conn:
+            await _kept(conn, project_id)  # locked before it is asked whether the thread is new
+            new_thread = await conn.scalar(select(threads.c.id).where(_thread(project_id, thread_id))) is None
+            await _take(conn, project_id, int(new_thread), _utf8(*rows), quota)
             ref = await _touch_thread(conn, project_id, thread_id, now, model)
             last = await conn.scalar(
                 select(func.coalesce(func.max(thread_messages.c.seq), 0)).where(thread_messages.c.thread == ref)
@@ -367,16 +503,22 @@ class AgentDataMixin:
         project_id = _check_project(project_id)
         thread_id = _check_caller_id("thread", thread_id)
         async with self._writer.begin() as conn:
+            await _kept(conn, project_id)
             return await _delete_threads(conn, _thread(project_id, thread_id)) == 1
 
     # -- stored responses ----------------------------------------------------------------
 
     async def store_response(
-        self, project_id: str | None, response_id: str, previous_id: str | None, messages: list[dict[str, Any]]
+        self,
+        project_id: str | None,
+        response_id: str,
+        previous_id: str | None,
+        messages: list[dict[str, Any]],
+        quota: Quota | None = None,
     ) -> None:
         """Keep one response's turn (its input and reply, as chat messages). previous_id, when
         given, must be a response stored in the same project: the chain it continues, which is
-        then kept as long as this one."""
+        then kept as long as this one. Refused (QuotaFull), writing nothing, past the quota."""
         project_id = _check_project(project_id)
         response_id = _check_caller_id("response", response_id)
         if previous_id is not None:
@@ -385,6 +527,7 @@ class AgentDataMixin:
         now = utcnow()
         r = stored_responses
         async with self._writer.begin() as conn:
+            await _take(conn, project_id, 1, _utf8(payload), quota)
             if await conn.scalar(select(r.c.id).where(r.c.id == response_id)) is not None:
                 raise StoreError(
                     f"A response with the id {response_id} is stored already; give each response its own id."
@@ -431,13 +574,17 @@ class AgentDataMixin:
 
     # -- notes ---------------------------------------------------------------------------
 
-    async def create_note(self, project_id: str | None, text: str, title: str | None = None) -> Note:
+    async def create_note(
+        self, project_id: str | None, text: str, title: str | None = None, quota: Quota | None = None
+    ) -> Note:
+        """A new note; refused (QuotaFull), writing nothing, past the project's quota."""
         project_id = _check_project(project_id)
         text = _check_text(text)
         title = _check_title(title)
         now = utcnow()
         note = Note("note_" + secrets.token_hex(12), title, text, now, now)
         async with self._writer.begin() as conn:
+            await _take(conn, project_id, 1, _utf8(text, title), quota)
             await conn.execute(
                 memory_notes.insert().values(
                     id=note.id, project_id=project_id, title=title, text=text, created_at=now, updated_at=now
@@ -521,10 +668,12 @@ class AgentDataMixin:
         text: str | None = None,
         title: str | None = None,
         retain_hours: int | None = None,
+        quota: Quota | None = None,
     ) -> Note | None:
         """Rewrite a note's text or title (an empty title removes it); it was last written
         now. None when the project has no such note or, given retain_hours, it expired: an
-        expired note is not brought back."""
+        expired note is not brought back. A note grown past the quota's room is refused
+        (QuotaFull) and left as it was."""
         project_id = _check_project(project_id)
         if text is None and title is None:
             raise StoreError("Give the note's new text or title (or both).")
@@ -538,6 +687,12 @@ class AgentDataMixin:
             return None
         where += [memory_notes.c.id == note_id, _scope(memory_notes.c.project_id, project_id)]
         async with self._writer.begin() as conn:
+            await _kept(conn, project_id)
+            old = (await conn.execute(select(memory_notes.c.text, memory_notes.c.title).where(*where))).first()
+            if old is None:
+                return None
+            grown = _utf8(values.get("text", old.text), values.get("title", old.title)) - _utf8(old.text, old.title)
+            await _take(conn, project_id, 0, grown, quota)
             row = (
                 await conn.execute(
                     update(memory_notes).where(*where).values(updated_at=utcnow(), **values).returning(*_NOTE_COLS)
@@ -550,11 +705,18 @@ class AgentDataMixin:
         project_id = _check_project(project_id)
         if not isinstance(note_id, str):
             return False
+        n = memory_notes
         async with self._writer.begin() as conn:
-            done = await conn.execute(
-                delete(memory_notes).where(memory_notes.c.id == note_id, _scope(memory_notes.c.project_id, project_id))
+            await _kept(conn, project_id)
+            gone = list(
+                await conn.execute(
+                    delete(n)
+                    .where(n.c.id == note_id, _scope(n.c.project_id, project_id))
+                    .returning(n.c.project_id, literal_column("1"), _octets(conn, n.c.text) + _octets(conn, n.c.title))
+                )
             )
-        return done.rowcount == 1
+            await _give_back(conn, [tuple(g) for g in gone])
+        return len(gone) == 1
 
     # -- the sweep -----------------------------------------------------------------------
 
@@ -573,18 +735,51 @@ class AgentDataMixin:
         keep_notes = {r.project_id: r.memory_hours for r in settings if r.memory_hours}
         now = utcnow()
         swept_threads = responses = notes = 0
+        # Every counter row locked first, as a write locks its own (see _kept).
+        lock_all = update(agent_storage).values(item_count=agent_storage.c.item_count)
         async with self._writer.begin() as conn:
+            await conn.execute(lock_all)
             for cond in _expired(threads, threads.c.last_turn_at, keep_threads, pool_threads_hours, now):
                 swept_threads += await _delete_threads(conn, cond)
         r = stored_responses
         async with self._writer.begin() as conn:
+            await conn.execute(lock_all)
             for cond in _expired(r, r.c.last_turn_at, keep_threads, pool_threads_hours, now):
-                responses += (await conn.execute(delete(r).where(cond))).rowcount
+                gone = list(
+                    await conn.execute(
+                        delete(r)
+                        .where(cond)
+                        .returning(r.c.project_id, literal_column("1"), _octets(conn, r.c.messages))
+                    )
+                )
+                await _give_back(conn, [tuple(g) for g in gone])
+                responses += len(gone)
         async with self._writer.begin() as conn:
+            await conn.execute(lock_all)
             n = memory_notes
             for cond in _expired(n, n.c.updated_at, keep_notes, pool_memory_hours, now):
-                notes += (await conn.execute(delete(n).where(cond))).rowcount
+                gone = list(
+                    await conn.execute(
+                        delete(n)
+                        .where(cond)
+                        .returning(
+                            n.c.project_id, literal_column("1"), _octets(conn, n.c.text) + _octets(conn, n.c.title)
+                        )
+                    )
+                )
+                await _give_back(conn, [tuple(g) for g in gone])
+                notes += len(gone)
         return Swept(swept_threads, responses, notes)
+
+    async def agent_storage_used(self, project_id: str | None) -> tuple[int, int]:
+        """What a project keeps now: (items, bytes), as its quota counts them."""
+        project_id = _check_project(project_id)
+        s = agent_storage
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(select(s.c.item_count, s.c.byte_count).where(s.c.scope == (project_id or "")))
+            ).first()
+        return (int(row.item_count), int(row.byte_count)) if row else (0, 0)
 
 
 async def _touch_thread(

@@ -15,6 +15,17 @@ class StoreError(LlmgwError):
     """The store could not do what was asked; the message is meant for the user."""
 
 
+class QuotaFull(StoreError):
+    """A write the project's storage quota (server.yaml agents.quota_*) has no room for; nothing
+    was written. ``status``: 413 when the one item is larger than the whole quota, else 429;
+    ``code`` names the quota (storage_quota_items, storage_quota_bytes)."""
+
+    def __init__(self, message: str, status: int, code: str):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
 class KeyNotFound(StoreError):
     """No key matched the given id or prefix."""
 

@@ -388,6 +388,17 @@ memory_notes = Table(
     Index("ix_memory_notes_project_updated", "project_id", "updated_at"),
 )
 
+# What each project keeps (0013): items (threads, stored responses, notes) and bytes (messages
+# as JSON, notes' text and title, UTF-8); scope is the project's id, '' for the shared pool. No
+# foreign key, so the pool has a row too; a removed project's row counts nothing anyone reads.
+agent_storage = Table(
+    "agent_storage",
+    metadata,
+    Column("scope", String(32), primary_key=True),
+    Column("item_count", BigInteger, nullable=False),
+    Column("byte_count", BigInteger, nullable=False),
+)
+
 # SQLite's note search: an FTS5 table over memory_notes (external content) and the
 # tables FTS5 makes for it, kept in step by triggers. Derived from memory_notes, so not
 # part of the schema above: a copy of the store rebuilds it as the notes go in.

@@ -26,7 +26,7 @@ class CuttableProxy:
     def cut(self) -> None:
         listener, self._listener = self._listener, None
         with self._lock:
-            socks = [listener, *self._open]
+            socks = [*([listener] if listener is not None else []), *self._open]
             self._open.clear()
         for s in socks:
             _close(s)

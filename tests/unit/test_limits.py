@@ -627,3 +627,61 @@ def test_status_and_headers_agree():
         assert acc.status(p).headers() == acc.headers(p)
         clock.t += 0.7
     assert acc.headers(p)["x-ratelimit-limit-tokens"] == "300"
+
+
+# ------------------------------------------------------- requests that call no model
+
+
+def test_a_request_without_a_model_counts_one_request_on_every_rate_pool_and_no_tokens():
+    acc, _, _ = accountant()
+    p = principal(Pool("key:k1", rpm=2, tpm=100), Pool("project:p1", rpm=5, tpm=100))
+    acc.settle(acc.check(p, None, 10_000), 0, 0)
+    acc.settle(acc.check(p, None, 10_000), 0, 0)
+    assert acc.status(p).requests_remaining == 0  # the key's 2 a minute, both taken
+    assert acc.status(p).tokens_remaining == 100  # the estimate given counts for nothing
+    with pytest.raises(LimitError) as e:
+        acc.check(p, None, 0)
+    assert e.value.status == 429 and e.value.code == "rate_limited"
+    assert e.value.headers["retry-after"] == "60"
+    assert e.value.headers["x-ratelimit-remaining-requests"] == "0"
+    # The key's refusal gave back what the project's pool was charged before it.
+    assert acc.status(principal(Pool("project:p1", rpm=5))).requests_remaining == 3
+
+
+def test_a_request_without_a_model_ignores_the_allow_list_and_a_spent_token_pool():
+    acc, _, _ = accountant()
+    p = principal(Pool("key:k1", rpm=10, tpm=5), models=frozenset())
+    r = acc.check(principal(Pool("key:k1", rpm=10, tpm=5)), "big", 5)
+    acc.settle(r, 50, 0)  # the minute's tokens overspent by a reply longer than its estimate
+    res = acc.check(p, None, 0)
+    assert res.model is None and res.tpm_taken == [] and res.held_micros == 0
+
+
+def test_a_request_without_a_model_is_refused_while_a_budget_is_spent_even_with_nothing_priced():
+    acc, _, _ = accountant(Pricing())
+    p = principal(Pool("project:p1", budget_micros=0))
+    with pytest.raises(LimitError) as e:
+        acc.check(p, None, 0)
+    assert e.value.code == "budget_spent"
+
+
+def test_a_request_without_a_model_is_refused_while_requests_in_progress_hold_the_budget_and_holds_nothing():
+    acc, _, _ = accountant()
+    p = principal(Pool("project:p1", budget_micros=to_micros(1.0)))
+    pending = acc.check(p, "big", 1000)  # holds 1.00: the whole budget
+    with pytest.raises(LimitError) as e:
+        acc.check(p, None, 0)
+    assert e.value.code == "budget_held"
+    acc.settle(pending, 100, 0)  # spent 0.10
+    free = acc.check(p, None, 0)
+    assert acc.held("project:p1") == 0
+    assert acc.settle(free, 0, 0) == 0
+    assert acc.spent("project:p1") == 100_000  # the model-less request cost nothing
+
+
+async def test_admit_with_no_model_is_check_with_no_model():
+    acc, _, _ = accountant()
+    p = principal(Pool("key:k1", rpm=1))
+    await acc.admit(p, None, 0)
+    with pytest.raises(LimitError):
+        await acc.admit(p, None, 0)

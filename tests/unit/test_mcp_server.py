@@ -18,7 +18,8 @@ from mcp import ClientSession
 from mcp.client import session as client_session
 from mcp.client import streamable_http
 
-from llmgw.server.gateway.mcp import PROTOCOL_VERSIONS, McpServer, Tool, ToolError
+from llmgw.server.gateway.limits import LimitError
+from llmgw.server.gateway.mcp import LIMITED, PROTOCOL_VERSIONS, McpServer, Tool, ToolError
 from llmgw.testing.mcp_client import client_streams
 from llmgw.testing.mcp_client import official_client as shared_official_client
 from llmgw.testing.waiting import async_until
@@ -86,7 +87,7 @@ class Served:
 
 
 @asynccontextmanager
-async def serving(server: McpServer) -> AsyncIterator[Served]:
+async def serving(server: McpServer, admit: Any = None) -> AsyncIterator[Served]:
     """The server at /mcp of a real listener; the bearer token is both the caller and the owner."""
     served = Served("")
 
@@ -94,7 +95,7 @@ async def serving(server: McpServer) -> AsyncIterator[Served]:
         token = bearer_token(request)
         if token is None:
             return web.Response(status=401)
-        resp = await server.handle(request, f"caller-{token}", token)
+        resp = await server.handle(request, f"caller-{token}", token, admit)
         served.seen.append((request.method, resp.status, resp.headers.get("Mcp-Session-Id")))
         return resp
 
@@ -473,8 +474,8 @@ async def test_delete_ends_the_session_and_an_unknown_one_is_404(served):
     assert none.status_code == 400
 
 
-async def test_sessions_are_bounded_and_the_least_recently_used_goes_first():
-    async with serving(toy_server(max_sessions=2)) as s, raw(s.url) as c:
+async def test_an_owner_at_its_bound_loses_its_own_least_recently_used_session_first():
+    async with serving(toy_server(sessions_per_owner=2)) as s, raw(s.url) as c:
         first = await initialize(c)
         second = await initialize(c)
         # Using the first makes the second the least recently used.
@@ -484,6 +485,96 @@ async def test_sessions_are_bounded_and_the_least_recently_used_goes_first():
         dropped = await c.post("/mcp", json=rpc("ping"), headers={"Mcp-Session-Id": second})
     assert kept.status_code == 200
     assert dropped.status_code == 404
+
+
+async def test_one_owner_opening_many_sessions_never_ends_another_owners_session():
+    async with serving(toy_server(sessions_per_owner=3)) as s, raw(s.url, "bob") as bob, raw(s.url) as alice:
+        bobs = await initialize(bob)
+        for _ in range(50):
+            await initialize(alice)
+        still = await bob.post("/mcp", json=rpc("ping"), headers={"Mcp-Session-Id": bobs})
+    assert still.status_code == 200
+
+
+async def test_a_full_session_table_refuses_a_new_session_503_and_ends_none():
+    async with serving(toy_server(max_sessions=2)) as s, raw(s.url, "bob") as bob, raw(s.url) as alice:
+        bobs = await initialize(bob)
+        await initialize(alice)
+        r = await alice.post("/mcp", json=rpc("initialize", protocolVersion="2025-06-18", capabilities={}))
+        still = await bob.post("/mcp", json=rpc("ping"), headers={"Mcp-Session-Id": bobs})
+    assert r.status_code == 503
+    assert "Mcp-Session-Id" not in r.headers
+    assert "most MCP sessions (2)" in r.json()["error"]["message"]
+    assert r.headers["Retry-After"] == "60"
+    assert still.status_code == 200
+
+
+class Limit:
+    """An admit callable as the gateway's: admits `room` calls, then refuses as the accountant does."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.counted = 0
+
+    async def __call__(self) -> dict[str, str]:
+        self.counted += 1
+        if self.counted > self.room:
+            raise LimitError(
+                429,
+                "the request rate of key k is at its limit of 2 a minute; retry in 60 s",
+                "rate_limited",
+                59.5,
+                {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "0", "retry-after": "60"},
+            )
+        return {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": str(self.room - self.counted)}
+
+
+@asynccontextmanager
+async def limited(room: int) -> AsyncIterator[tuple[Served, Limit]]:
+    limit = Limit(room)
+    async with serving(toy_server(), limit) as s:
+        yield s, limit
+
+
+async def test_each_call_of_a_batch_counts_and_the_calls_past_the_limit_are_refused_in_order():
+    async with limited(3) as (s, limit), raw(s.url) as c:
+        sid = await initialize(c)  # the first call
+        batch = [rpc("tools/call", i, name="echo", arguments={"text": str(i)}) for i in range(5)]
+        r = await c.post("/mcp", json=batch, headers={"Mcp-Session-Id": sid})
+    replies = r.json()
+    assert r.status_code == 200
+    assert limit.counted == 6
+    assert [("result" in m) for m in replies] == [True, True, False, False, False]
+    refused = replies[2]["error"]
+    assert refused["code"] == LIMITED
+    assert "at its limit of 2 a minute" in refused["message"]
+    assert refused["data"] == {"status": 429, "code": "rate_limited", "retry_after": 60}
+    assert r.headers["Retry-After"] == "60"
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_a_single_call_refused_by_the_limits_is_a_429_with_retry_after_and_runs_nothing():
+    async with limited(1) as (s, _), raw(s.url) as c:
+        sid = await initialize(c)
+        r = await c.post("/mcp", json=rpc("tools/call", 7, name="crash", arguments={}), headers={"Mcp-Session-Id": sid})
+    assert r.status_code == 429
+    assert r.json()["id"] == 7 and r.json()["error"]["code"] == LIMITED
+    assert r.headers["Retry-After"] == "60"
+
+
+async def test_initialize_refused_by_the_limits_makes_no_session():
+    async with limited(0) as (s, _), raw(s.url) as c:
+        r = await c.post("/mcp", json=rpc("initialize", protocolVersion="2025-06-18", capabilities={}))
+    assert r.status_code == 429
+    assert "Mcp-Session-Id" not in r.headers
+
+
+async def test_a_post_of_notifications_only_and_a_delete_count_one_call_each():
+    async with limited(10) as (s, limit), raw(s.url) as c:
+        sid = await initialize(c)
+        await c.post("/mcp", json=rpc("notifications/initialized", None), headers={"Mcp-Session-Id": sid})
+        await c.delete("/mcp", headers={"Mcp-Session-Id": sid})
+    assert limit.counted == 3
 
 
 async def test_an_idle_session_expires_and_a_used_one_does_not():

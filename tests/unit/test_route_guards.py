@@ -425,7 +425,8 @@ async def test_a_workers_listener_serves_only_the_api_and_its_probe_and_forwards
     near, far = await Channel.open(a), await Channel.open(b)
     cfg = server.config.model_copy(update={"listen": parse_server_config({"listen": f"127.0.0.1:{_port()}"}).listen})
     worker = Server(cfg, workers=2, slot=1)
-    worker.link = WorkerLink(worker, far, asyncio.Event(), {"endpoints": []})
+    limits_near, limits_far = socket.socketpair()  # the worker's line to the server's accountant
+    worker.link = WorkerLink(worker, far, asyncio.Event(), {"endpoints": []}, limits_far)
     await worker.start()
     try:
         routes = _routes(worker)
@@ -433,6 +434,7 @@ async def test_a_workers_listener_serves_only_the_api_and_its_probe_and_forwards
         await worker.stop()
         await near.close()
         await far.close()
+        limits_near.close()
     want = {k: g for k, g in GUARDS.items() if k[0] == "listen" and g == API_KEY}
     want[("listen", "GET", "/health")] = PROBE
     want[("listen", "*", "/{tail}")] = FORWARDED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -9,7 +10,8 @@ from alembic import command
 from sqlalchemy import func, inspect, select, text, update
 
 from llmgw.store import NotFound, Store, StoreError, Swept
-from llmgw.store.agents import MAX_NOTE_BYTES
+from llmgw.store.agents import MAX_NOTE_BYTES, Quota
+from llmgw.store.errors import QuotaFull
 from llmgw.store.migrate import _alembic_config
 from llmgw.store.move import move_store
 from llmgw.store.records import utcnow
@@ -515,3 +517,83 @@ async def test_sqlite_keeps_the_note_search_in_step_through_its_three_triggers(t
     async with await Store.open(str(tmp_path / "s.db")) as s, s.engine.connect() as conn:
         triggers = set(await conn.scalars(text("SELECT name FROM sqlite_master WHERE type = 'trigger'")))
     assert {"memory_notes_fts_ai", "memory_notes_fts_ad", "memory_notes_fts_au"} <= triggers
+
+
+# -- the storage quota ----------------------------------------------------------------------
+
+
+async def test_the_quota_counts_notes_threads_and_responses_by_utf8_bytes_and_uncounts_what_is_deleted(store, acme):
+    gateway, billing = acme
+    n = await store.create_note(gateway, "héllo", "t")  # 6 + 1 bytes
+    await store.append_thread(gateway, "th", [msg("user", "a")], "tiny")
+    await store.append_thread(gateway, "th", [msg("user", "b")], "tiny")  # the same thread: no new item
+    await store.store_response(gateway, "resp_1", None, [msg("user", "c")])
+    one = len(b'{"role":"user","content":"a"}')  # a thread's message, as JSON
+    resp = one + 2  # a response's messages: a JSON list of one
+    assert await store.agent_storage_used(gateway) == (3, 7 + 2 * one + resp)
+    assert await store.agent_storage_used(billing) == (0, 0)
+    await store.update_note(gateway, n.id, text="hé")  # 3 bytes now
+    assert await store.agent_storage_used(gateway) == (3, 4 + 2 * one + resp)
+    assert await store.delete_note(gateway, n.id) is True
+    assert await store.delete_thread(gateway, "th") is True
+    assert await store.agent_storage_used(gateway) == (1, resp)
+    await store.set_retention("Acme/platform/gateway", "threads", None)
+    await store.sweep_agent_data()  # the project keeps no conversations now: its response goes
+    assert await store.agent_storage_used(gateway) == (0, 0)
+
+
+async def test_a_write_past_the_items_quota_is_refused_naming_it_and_writes_nothing(store, acme):
+    gateway, _ = acme
+    quota = Quota(items=2, bytes=10_000)
+    await store.create_note(gateway, "one", quota=quota)
+    await store.append_thread(gateway, "th", [msg("user", "a")], "tiny", quota)
+    with pytest.raises(QuotaFull) as e:
+        await store.create_note(gateway, "three", quota=quota)
+    assert e.value.status == 429 and e.value.code == "storage_quota_items"
+    assert "keeps 2 of its 2 conversations, stored responses and notes (agents.quota_items)" in str(e.value)
+    assert "DELETE /v1/memory/ID" in str(e.value)
+    with pytest.raises(QuotaFull):
+        await store.store_response(gateway, "resp_1", None, [msg("user", "x")], quota)
+    with pytest.raises(QuotaFull):
+        await store.append_thread(gateway, "th2", [msg("user", "x")], "tiny", quota)
+    await store.append_thread(gateway, "th", [msg("user", "more")], "tiny", quota)  # an existing thread grows
+    assert (await count(store, memory_notes), await count(store, stored_responses), await count(store, threads)) == (
+        1,
+        0,
+        1,
+    )
+    assert (await store.agent_storage_used(gateway))[0] == 2
+
+
+async def test_a_write_past_the_bytes_quota_is_refused_429_and_one_larger_than_the_whole_quota_413(store, acme):
+    gateway, _ = acme
+    quota = Quota(items=100, bytes=10)
+    n = await store.create_note(gateway, "12345678", quota=quota)
+    with pytest.raises(QuotaFull) as e:
+        await store.create_note(gateway, "abc", quota=quota)
+    assert e.value.status == 429 and e.value.code == "storage_quota_bytes"
+    assert "keeps 8 of its 10 bytes and this needs 3 more (agents.quota_bytes)" in str(e.value)
+    with pytest.raises(QuotaFull) as big:
+        await store.create_note(gateway, "x" * 11, quota=quota)
+    assert big.value.status == 413 and "more than the whole storage quota" in str(big.value)
+    with pytest.raises(QuotaFull):
+        await store.update_note(gateway, n.id, text="12345678901", quota=quota)  # grown past it
+    assert (await store.get_note(gateway, n.id, 24)).text == "12345678"
+    await store.update_note(gateway, n.id, text="1", quota=quota)  # shrinking always goes
+    assert await store.agent_storage_used(gateway) == (1, 1)
+
+
+async def test_concurrent_writes_from_two_stores_on_one_database_never_pass_the_items_quota(address, acme):
+    gateway, _ = acme
+    quota = Quota(items=5, bytes=10**6)
+    stores = [await Store.open(address) for _ in range(2)]
+    try:
+        results = await asyncio.gather(
+            *(stores[i % 2].create_note(gateway, f"note {i}", quota=quota) for i in range(20)), return_exceptions=True
+        )
+    finally:
+        for s in stores:
+            await s.close()
+    kept = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, QuotaFull)]
+    assert len(kept) == 5 and len(refused) == 15, results

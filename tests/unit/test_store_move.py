@@ -495,7 +495,7 @@ async def test_a_table_postgresql_refuses_midway_leaves_the_destination_empty_an
     source = str(tmp_path / "llmgw.db")
     await _populate(source)
     # SQLite does not hold a VARCHAR to its length; PostgreSQL refuses the row. The tables
-    # before catalog_models in the order (admin_tokens, api_keys) were copied by then.
+    # before catalog_models in the order (admin_tokens, agent_storage, api_keys) were copied by then.
     with sqlite3.connect(source) as db:
         db.execute(
             "INSERT INTO catalog_models VALUES (?, '{}', '2025-01-01 00:00:00.000000', '2025-01-01 00:00:00.000000')",
@@ -510,7 +510,7 @@ async def test_a_table_postgresql_refuses_midway_leaves_the_destination_empty_an
 
     message = str(refused.value)
     assert "Copying the table catalog_models" in message
-    assert "the tables copied before it (admin_tokens, api_keys) were emptied again" in message
+    assert "the tables copied before it (admin_tokens, agent_storage, api_keys) were emptied again" in message
     after = await _all_rows(pg)
     assert all(after[t.name] == [] for t in copy_order() if t is not store_state)
     assert after["store_state"] == [("keys_generation", 0)]  # as the migrations left it

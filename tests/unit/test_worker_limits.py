@@ -165,3 +165,18 @@ async def test_pools_travel_once_per_principal_and_new_limits_travel_as_new_pool
         await w.admit(p2, "m", 1, 1)
     assert len(w._ids) == 2
     await w.aclose()
+
+
+async def test_a_request_that_calls_no_model_counts_one_request_through_the_worker_and_costs_nothing():
+    acc = Accountant(PRICING)
+    (w,), (link,) = await _workers(acc, 1)
+    principal = _principal(Pool("key:k1", rpm=2, tpm=100), models=frozenset({"other"}))
+    first = await w.admit(principal, None, 0)
+    await w.admit(principal, None, 0)
+    with pytest.raises(LimitError) as e:
+        await w.admit(principal, None, 0)
+    assert e.value.code == "rate_limited"
+    assert w.settle(first, 0, 0) == 0
+    await async_until(lambda: link.in_progress == 1, 5, "the settlement to arrive")
+    assert acc.status(principal).tokens_remaining == 100
+    await w.aclose()

@@ -29,7 +29,8 @@ from llmgw.server.gateway.conversations import (
     Scope,
     new_thread_id,
 )
-from llmgw.server.gateway.errors import error_body, error_response
+from llmgw.server.gateway.errors import error_body, error_response, limit_response
+from llmgw.server.gateway.limits import LimitError, Reservation
 from llmgw.server.gateway.memory import Memory
 from llmgw.server.gateway.principal import Principal
 from llmgw.server.gateway.request import CHAT, MESSAGES, RESPONSES, Route
@@ -263,6 +264,34 @@ class AgentApis:
             )
         return scope, asked, history
 
+    async def _before_reads(
+        self, route: Route, principal: Principal, model: object
+    ) -> Reservation | web.Response | None:
+        """A request that reads the store (its conversation's history) before its model call is
+        admitted before that read, so a key at its limits reads nothing. The admission is given
+        back (_after_reads) before serve_body admits the request for its model: it counts once."""
+        acc = self.gateway.accountant
+        if acc is None or not (principal.pools or principal.models is not None):
+            return None
+        served = self.gateway.models.get(model) if isinstance(model, str) else None
+        try:
+            # No tokens: the model's admission weighs the prompt once its history is in it.
+            return await acc.admit(principal, served.name if served is not None else None, 0)
+        except LimitError as exc:
+            return limit_response(exc, anthropic=route.anthropic)
+
+    async def _full(self, route: Route, scope: Scope, new_item: bool) -> web.Response | None:
+        """A refusal when the turn this request would keep has no room in its project's quota."""
+        assert self.conversations is not None
+        full = await self.conversations.full(scope, new_item)
+        if full is None:
+            return None
+        return self._refuse(route, full.status, str(full), full.code)
+
+    def _after_reads(self, pre: Reservation | None) -> None:
+        if pre is not None and self.gateway.accountant is not None:
+            self.gateway.accountant.cancel(pre)
+
     def _thread_turn(self, scope: Scope, thread_id: str, turn: list[dict], model: str) -> OnTurn:
         conversations = self.conversations
         assert conversations is not None
@@ -284,6 +313,45 @@ class AgentApis:
         req = responses_api.translate_request(body)
         if isinstance(req, responses_api.ResponsesRefusal):
             return self._refuse(route, req.status, req.message, req.code, req.param)
+        reads = THREAD_HEADER in request.headers or req.previous_response_id is not None
+        pre = await self._before_reads(route, principal, req.model) if reads else None
+        if isinstance(pre, web.Response):
+            return pre
+        try:
+            context = await self._response_context(request, route, principal, req)
+        finally:
+            self._after_reads(pre)
+        if isinstance(context, web.Response):
+            return context
+        thread, scope = context
+        # Asked to keep it (store true, or a thread): refused up front when there is no room. A
+        # response kept by default (store left out) is answered anyway, and not kept.
+        kept_in = thread[0] if thread is not None else scope if req.store is True else None
+        if kept_in is not None:
+            refused = await self._full(route, kept_in, True)
+            if refused is not None:
+                return refused
+        turn = req.turn
+        conversations = self.conversations
+
+        def on_turn(reply: list[dict]) -> None:
+            assert conversations is not None
+            if scope is not None:
+                conversations.remember_response(scope, req.response_id, req.previous_response_id, turn + reply)
+            if thread is not None:
+                conversations.remember(thread[0], thread[1], turn + reply, req.model)
+
+        out = ResponsesReply(req, on_turn if (scope is not None or thread is not None) else None)
+        if thread is not None:
+            out.headers[THREAD_HEADER] = thread[1]
+        raw = orjson.dumps(req.chat)
+        return await self.gateway.serve_body(request, route, principal, req.chat, raw, t0, out, _prompt_estimate(raw))
+
+    async def _response_context(
+        self, request: web.Request, route: Route, principal: Principal, req: responses_api.ResponsesRequest
+    ) -> tuple[tuple[Scope, str, list[dict]] | None, Scope | None] | web.Response:
+        """The conversation a Responses request continues and where its response is stored, its
+        history (the thread's, then the previous responses') put into the request."""
         thread = await self._thread(request, route, principal)
         if isinstance(thread, web.Response):
             return thread
@@ -316,21 +384,7 @@ class AgentApis:
             history = thread[2] + history
         if history:
             responses_api.with_history(req, history)
-        turn = req.turn
-        conversations = self.conversations
-
-        def on_turn(reply: list[dict]) -> None:
-            assert conversations is not None
-            if scope is not None:
-                conversations.remember_response(scope, req.response_id, req.previous_response_id, turn + reply)
-            if thread is not None:
-                conversations.remember(thread[0], thread[1], turn + reply, req.model)
-
-        out = ResponsesReply(req, on_turn if (scope is not None or thread is not None) else None)
-        if thread is not None:
-            out.headers[THREAD_HEADER] = thread[1]
-        raw = orjson.dumps(req.chat)
-        return await self.gateway.serve_body(request, route, principal, req.chat, raw, t0, out, _prompt_estimate(raw))
+        return thread, scope
 
     # -- Anthropic's Messages API -----------------------------------------------------
 
@@ -344,11 +398,20 @@ class AgentApis:
         req = messages_api.translate_request(body)
         if isinstance(req, messages_api.MessagesRefusal):
             return self._refuse(route, req.status, req.message, "invalid_request")
-        thread = await self._thread(request, route, principal)
+        pre = await self._before_reads(route, principal, req.model) if THREAD_HEADER in request.headers else None
+        if isinstance(pre, web.Response):
+            return pre
+        try:
+            thread = await self._thread(request, route, principal)
+        finally:
+            self._after_reads(pre)
         if isinstance(thread, web.Response):
             return thread
         out = MessagesReply(req, None)
         if thread is not None:
+            refused = await self._full(route, thread[0], not thread[2])
+            if refused is not None:
+                return refused
             messages_api.with_history(req, thread[2])
             out = MessagesReply(req, self._thread_turn(thread[0], thread[1], req.turn, req.model))
             out.headers[THREAD_HEADER] = thread[1]
@@ -378,13 +441,20 @@ class AgentApis:
             )
         if principal.models is not None and served.name not in principal.models:
             return self._refuse(route, 403, f"this key may not use the model '{name}'", "model_not_allowed")
+        # One request to the key's limits, no tokens: counting generates nothing.
+        try:
+            headers = await gw.count_call(principal)
+        except LimitError as exc:
+            return limit_response(exc, anthropic=True)
         counted = await self._engine_count(served.name, chat)
         if counted is not None:
-            return web.Response(body=messages_api.count_response(counted), content_type="application/json")
+            return web.Response(
+                body=messages_api.count_response(counted), content_type="application/json", headers=headers or None
+            )
         return web.Response(
             body=messages_api.count_response(_prompt_estimate(orjson.dumps(chat["messages"]))),
             content_type="application/json",
-            headers={TOKENS_ESTIMATED_HEADER: "true"},
+            headers={**headers, TOKENS_ESTIMATED_HEADER: "true"},
         )
 
     async def _engine_count(self, model: str, chat: dict) -> int | None:
@@ -435,11 +505,20 @@ class AgentApis:
         principal, _, body = got
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return self._refuse(route, 400, "'messages' should be a non-empty list of messages", "invalid_request")
-        thread = await self._thread(request, route, principal)
+        pre = await self._before_reads(route, principal, body.get("model"))
+        if isinstance(pre, web.Response):
+            return pre
+        try:
+            thread = await self._thread(request, route, principal)
+        finally:
+            self._after_reads(pre)
         if isinstance(thread, web.Response):
             return thread
         assert thread is not None  # this route is taken only with the header
         scope, thread_id, history = thread
+        refused = await self._full(route, scope, not history)
+        if refused is not None:
+            return refused
         turn = list(body["messages"])
         body["messages"] = history + turn
         opts = body.get("stream_options")
@@ -453,7 +532,7 @@ class AgentApis:
 
     # -- /v1/threads/{id} -------------------------------------------------------------
 
-    async def _thread_scope(self, request: web.Request) -> tuple[Scope, str] | web.Response:
+    async def _thread_scope(self, request: web.Request) -> tuple[Scope, str, dict[str, str]] | web.Response:
         try:
             principal = await self.gateway._authenticate(request)
         except AuthError as exc:
@@ -461,34 +540,42 @@ class AgentApis:
         scope = self._scope(CHAT, principal)
         if isinstance(scope, web.Response):
             return scope
-        return scope, request.match_info["thread"]
+        try:
+            headers = await self.gateway.count_call(principal)
+        except LimitError as exc:
+            return limit_response(exc)
+        return scope, request.match_info["thread"], headers
 
-    def _no_thread(self, thread_id: str) -> web.Response:
-        return error_response(404, f"there is no conversation {thread_id[:64]!r} here", "thread_not_found")
+    def _no_thread(self, thread_id: str, headers: dict[str, str]) -> web.Response:
+        return error_response(
+            404, f"there is no conversation {thread_id[:64]!r} here", "thread_not_found", headers=headers or None
+        )
 
     async def get_thread(self, request: web.Request) -> web.StreamResponse:
         got = await self._thread_scope(request)
         if isinstance(got, web.Response):
             return got
-        scope, thread_id = got
+        scope, thread_id, headers = got
         assert self.conversations is not None
         messages = await self.conversations.history(scope, thread_id)
         if messages is None:
-            return self._no_thread(thread_id)
+            return self._no_thread(thread_id, headers)
         return web.Response(
             body=orjson.dumps({"id": thread_id, "object": "thread", "messages": messages}),
             content_type="application/json",
+            headers=headers or None,
         )
 
     async def delete_thread(self, request: web.Request) -> web.StreamResponse:
         got = await self._thread_scope(request)
         if isinstance(got, web.Response):
             return got
-        scope, thread_id = got
+        scope, thread_id, headers = got
         assert self.conversations is not None
         if not await self.conversations.forget(scope, thread_id):
-            return self._no_thread(thread_id)
+            return self._no_thread(thread_id, headers)
         return web.Response(
             body=orjson.dumps({"id": thread_id, "object": "thread.deleted", "deleted": True}),
             content_type="application/json",
+            headers=headers or None,
         )

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from llmgw.config.server import ThreadsConfig
 from llmgw.server.gateway.principal import Principal
+from llmgw.store.agents import Quota
+from llmgw.store.errors import QuotaFull
 
 log = logging.getLogger("llmgw.gateway.conversations")
 
@@ -55,11 +57,16 @@ class NotKept:
 
 
 class Conversations:
-    def __init__(self, store: Any, keys: Any, threads: ThreadsConfig, auth_enabled: bool) -> None:
+    def __init__(
+        self, store: Any, keys: Any, threads: ThreadsConfig, auth_enabled: bool, quota: Quota | None = None
+    ) -> None:
         self.store = store
         self.keys = keys
         self.config = threads
         self.auth_enabled = auth_enabled
+        # What each project may keep (agents.quota_*): every write of its threads, stored
+        # responses and notes is counted and refused against it in the store's transaction.
+        self.quota = quota
         self._pending: dict[str, asyncio.Future] = {}  # a conversation's last write not yet stored
         self._writes: set[asyncio.Future] = set()
         self._sweeper: asyncio.Task | None = None
@@ -102,7 +109,38 @@ class Conversations:
 
     def remember(self, scope: Scope, thread_id: str, messages: list[dict], model: str) -> None:
         """Append a finished turn, after the reply, in this conversation's order."""
-        self._behind(thread_id, lambda: self.store.append_thread(scope.project_id, thread_id, messages, model))
+        self._behind(
+            thread_id, lambda: self.store.append_thread(scope.project_id, thread_id, messages, model, self.quota)
+        )
+
+    async def full(self, scope: Scope, new_item: bool) -> QuotaFull | None:
+        """Why a turn to be kept would be refused now (the project's quota is full), asked before the
+        model is called so that the client hears it rather than a reply that is then not kept; the
+        write itself is still counted exactly, in the store."""
+        q = self.quota
+        if q is None:
+            return None
+        items, size = await self.store.agent_storage_used(scope.project_id)
+        where = f"project {scope.project_id}" if scope.project_id else "the shared pool"
+        free = (
+            "; delete what is no longer needed (DELETE /v1/memory/ID, DELETE /v1/threads/ID) or wait until older "
+            "ones expire"
+        )
+        if new_item and items >= q.items:
+            return QuotaFull(
+                f"the storage quota of {where} is full: it keeps {items:,} of its {q.items:,} conversations, "
+                f"stored responses and notes (agents.quota_items){free}",
+                429,
+                "storage_quota_items",
+            )
+        if size >= q.bytes:
+            return QuotaFull(
+                f"the storage quota of {where} is full: it keeps {size:,} of its {q.bytes:,} bytes "
+                f"(agents.quota_bytes){free}",
+                429,
+                "storage_quota_bytes",
+            )
+        return None
 
     async def forget(self, scope: Scope, thread_id: str) -> bool:
         if len(thread_id) > MAX_ID:
@@ -117,7 +155,10 @@ class Conversations:
         return await self.store.response_history(scope.project_id, response_id, scope.hours)
 
     def remember_response(self, scope: Scope, response_id: str, previous: str | None, messages: list[dict]) -> None:
-        self._behind(response_id, lambda: self.store.store_response(scope.project_id, response_id, previous, messages))
+        self._behind(
+            response_id,
+            lambda: self.store.store_response(scope.project_id, response_id, previous, messages, self.quota),
+        )
 
     # -- the writes behind the replies -------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
+from llmgw.server.gateway.limits import LimitError
 from llmgw.server.gateway.messages_api import error_body as anthropic_error_body
 
 _TYPES = {
@@ -41,3 +42,9 @@ def error_response(
 ) -> web.Response:
     body = anthropic_error_body(status, message) if anthropic else error_body(status, message, code, param)
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def limit_response(exc: LimitError, *, anthropic: bool = False) -> web.Response:
+    """A refusal by the key's limits (429 with Retry-After and x-ratelimit-*, or 403 for a model it
+    may not use): the one shape every route answers it in."""
+    return error_response(exc.status, exc.message, exc.code, headers=exc.headers or None, anthropic=anthropic)

@@ -117,7 +117,7 @@ class Accounting(Protocol):
     pricing: Pricing
 
     async def admit(
-        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+        self, principal: Principal, model: str | None, estimated_prompt: int, estimated_completion: int = 0
     ) -> Reservation: ...
 
     def settle(self, reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> int: ...
@@ -436,7 +436,7 @@ class Reservation:
     """What one admitted request holds until it is settled or cancelled."""
 
     principal: Principal
-    model: str
+    model: str | None  # None: a request that calls no model (Accountant.check)
     pools: tuple[Pool, ...]  # every pool of the principal: each is charged its cost at settlement
     estimated_tokens: int
     started_at: float  # the accountant's clock
@@ -563,10 +563,16 @@ class Accountant:
             raise LimitError(403, f"this key may not use {model}; {may}", "model_not_allowed")
 
     def check(
-        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+        self, principal: Principal, model: str | None, estimated_prompt: int, estimated_completion: int = 0
     ) -> Reservation:
         """Admit one request or raise LimitError. Charges one request and the estimated tokens on every
-        rate pool, and holds the estimated cost (priced as prompt and completion) on every budget pool."""
+        rate pool, and holds the estimated cost (priced as prompt and completion) on every budget pool.
+
+        model None is a request that calls no model (a note, an MCP call, a stored conversation): it
+        counts one request on every rate pool and nothing on the token pools, holds nothing, and is
+        refused by a budget only when that budget is spent or held by requests in progress."""
+        if model is None:
+            return self._check_modelless(principal)
         self.allowed(principal, model)
         pools = principal.pools
         now = self._clock()
@@ -621,6 +627,25 @@ class Accountant:
             held_micros=hold if hold_keys else 0,
             held_pools=tuple(hold_keys) if hold else (),
         )
+
+    def _check_modelless(self, principal: Principal) -> Reservation:
+        pools = principal.pools
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        per = None
+        for pool in pools:
+            budget = pool.budget_micros
+            if budget is None:
+                continue
+            per = per or self._current_periods()
+            s = self._spend.get(pool.key)
+            spent = s.spent(pool.period, per.day_key, per.month_key) if s is not None else 0
+            other = self._held.get(pool.key, 0)
+            if spent + other >= budget:
+                raise self._budget_refusal(principal, pool, spent, other, per)
+        rpm_taken = self._charge(self._rpm, pools, "rpm", 1.0, now, principal, ())
+        return Reservation(principal, None, pools, 0, now, rpm_taken=rpm_taken)
 
     def _charge(
         self,
@@ -718,7 +743,7 @@ class Accountant:
         self,
         pending: AllowancePending,
         principal: Principal,
-        model: str,
+        model: str | None,
         estimated_prompt: int,
         estimated_completion: int = 0,
     ) -> Reservation:
@@ -738,7 +763,7 @@ class Accountant:
                 pending = again
 
     async def admit(
-        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+        self, principal: Principal, model: str | None, estimated_prompt: int, estimated_completion: int = 0
     ) -> Reservation:
         """check(), and with shared limits the wait for a refill (refilled()) a short share asks for:
         what the request path calls. A worker's accountant (worker_limits.py) answers the same call by
@@ -794,7 +819,8 @@ class Accountant:
         if diff:
             for w, sec, _ in reservation.tpm_taken:
                 w.adjust(sec, now, float(diff))
-        cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
+        model = reservation.model
+        cost = self.pricing.cost_micros(model, prompt_tokens, completion_tokens) if model is not None else 0
         if cost:
             per = self._current_periods()
             spends = self._spend

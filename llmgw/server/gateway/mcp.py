@@ -21,6 +21,7 @@ initialize.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import orjson
 from aiohttp import web
 
 from llmgw.errors import LlmgwError
+from llmgw.server.gateway.limits import LimitError
 
 log = logging.getLogger("llmgw.gateway.mcp")
 
@@ -45,7 +47,8 @@ SESSION_HEADER = "Mcp-Session-Id"
 VERSION_HEADER = "MCP-Protocol-Version"
 
 MAX_BODY_BYTES = 1024 * 1024
-MAX_SESSIONS = 10_000
+MAX_SESSIONS = 100_000  # per process, all owners together: about 20 MB of sessions at most
+SESSIONS_PER_OWNER = 100  # the default of server.yaml's agents.mcp_sessions_per_key
 SESSION_IDLE_S = 3600.0
 
 PARSE_ERROR = -32700
@@ -55,6 +58,13 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 # The code MCP clients read as "not this version", with the versions served in its data.
 UNSUPPORTED_PROTOCOL_VERSION = -32022
+# A call the caller's limits refuse (JSON-RPC leaves -32000 to -32099 to servers); its data
+# says which limit (the gateway's error code) and when to retry.
+LIMITED = -32029
+
+# Counts one call against the caller's limits: the rate-limit headers to answer with, or
+# LimitError (429, or 403) when the limits refuse it.
+Admit = Callable[[], Awaitable[dict[str, str]]]
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda v: isinstance(v, str),
@@ -96,36 +106,64 @@ class _Session:
     last_used: float
 
 
-class _Sessions:
-    """Session ids in memory: bounded (least recently used dropped first) and expiring when idle.
+class SessionsFull(LlmgwError):
+    """The process holds MAX_SESSIONS sessions: a new one waits until some end or expire."""
 
-    Ordered by last use, so both the idle and the least recently used are at the front.
+
+class _Sessions:
+    """Session ids in memory, expiring when idle and bounded per owner: an owner at its bound
+    loses its own least recently used session to its new one, never another owner's. The whole
+    table is bounded too (``limit``); when full, a new session is refused, not taken from
+    someone else.
+
+    Ordered by last use, so both the idle and the least recently used are at the front (of the
+    whole table and of each owner's).
     """
 
-    def __init__(self, limit: int, idle_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, limit: int, idle_s: float, clock: Callable[[], float], per_owner: int) -> None:
         self._limit = limit
+        self._per_owner = per_owner
         self._idle_s = idle_s
         self._clock = clock
         self._by_id: OrderedDict[str, _Session] = OrderedDict()
+        self._by_owner: dict[str, OrderedDict[str, None]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def owned(self, owner: str) -> int:
+        return len(self._by_owner.get(owner, ()))
+
+    def _drop(self, sid: str) -> None:
+        s = self._by_id.pop(sid)
+        mine = self._by_owner[s.owner]
+        del mine[sid]
+        if not mine:
+            del self._by_owner[s.owner]
 
     def _expire(self, now: float) -> None:
         while self._by_id:
             sid, s = next(iter(self._by_id.items()))
             if now - s.last_used <= self._idle_s:
                 break
-            del self._by_id[sid]
+            self._drop(sid)
 
     def create(self, owner: str, protocol_version: str) -> str:
         now = self._clock()
         self._expire(now)
-        while len(self._by_id) >= self._limit:
-            self._by_id.popitem(last=False)
+        mine = self._by_owner.get(owner)
+        while mine and len(mine) >= self._per_owner:
+            self._drop(next(iter(mine)))
+            mine = self._by_owner.get(owner)
+        if len(self._by_id) >= self._limit:
+            raise SessionsFull(
+                f"this gateway holds its most MCP sessions ({self._limit:,}); retry in a minute, when idle "
+                "ones have expired, and end sessions you no longer use (DELETE)"
+            )
         # 256 random bits, URL-safe: visible ASCII as the spec asks, and unguessable.
         sid = secrets.token_urlsafe(32)
         self._by_id[sid] = _Session(owner, protocol_version, now)
+        self._by_owner.setdefault(owner, OrderedDict())[sid] = None
         return sid
 
     def get(self, sid: str, owner: str) -> _Session | None:
@@ -137,12 +175,13 @@ class _Sessions:
             return None
         s.last_used = now
         self._by_id.move_to_end(sid)
+        self._by_owner[owner].move_to_end(sid)
         return s
 
     def end(self, sid: str, owner: str) -> bool:
         if self.get(sid, owner) is None:
             return False
-        del self._by_id[sid]
+        self._drop(sid)
         return True
 
 
@@ -290,6 +329,48 @@ def _text_result(text: str, *, is_error: bool) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": text}], "isError": is_error}
 
 
+def refused_status(reply: dict[str, Any]) -> int:
+    """The HTTP status of a refused call's reply: the limit's own (429, or 403)."""
+    data = reply.get("error", {}).get("data") or {}
+    status = data.get("status")
+    return status if isinstance(status, int) else 429
+
+
+class _Meter:
+    """One HTTP request's calls counted against the caller's limits, and the headers its answer
+    carries: x-ratelimit-* as after the last call counted, Retry-After when one was refused."""
+
+    __slots__ = ("_admit", "headers", "refused", "retry_after")
+
+    def __init__(self, admit: Admit | None) -> None:
+        self._admit = admit
+        self.headers: dict[str, str] = {}
+        self.refused = 0
+        self.retry_after: str | None = None
+
+    async def count(self, id_: str | int | None) -> dict[str, Any] | None:
+        """None when the call may go on; else the JSON-RPC error that answers it."""
+        if self._admit is None:
+            return None
+        try:
+            self.headers = await self._admit()
+            return None
+        except LimitError as exc:
+            self.refused += 1
+            self.headers = exc.headers
+            self.retry_after = exc.headers.get("retry-after", self.retry_after)
+            data: dict[str, Any] = {"status": exc.status, "code": exc.code}
+            if exc.retry_after is not None:
+                data["retry_after"] = max(1, math.ceil(exc.retry_after))
+            return _error(id_, LIMITED, exc.message, data)
+
+    def answer(self, resp: web.StreamResponse) -> web.StreamResponse:
+        resp.headers.update(self.headers)
+        if self.retry_after is not None:
+            resp.headers["Retry-After"] = self.retry_after
+        return resp
+
+
 class McpServer:
     """The MCP endpoint of one set of tools; see the module's docstring."""
 
@@ -301,6 +382,7 @@ class McpServer:
         instructions: str | None = None,
         *,
         max_sessions: int = MAX_SESSIONS,
+        sessions_per_owner: int = SESSIONS_PER_OWNER,
         session_idle_s: float = SESSION_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -325,27 +407,40 @@ class McpServer:
             }
             for t in tools
         ]
-        self._sessions = _Sessions(max_sessions, session_idle_s, clock)
+        self._sessions = _Sessions(max_sessions, session_idle_s, clock, sessions_per_owner)
 
-    async def handle(self, request: web.Request, caller: Any, owner: str) -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, caller: Any, owner: str, admit: Admit | None = None
+    ) -> web.StreamResponse:
         """Answer one HTTP request on the MCP route, already authenticated.
 
         ``caller`` is passed to the tools as it is; ``owner`` says who authenticated (the
         gateway passes the API key's id): a session is answered only to its owner, and to
-        anyone else exactly as an unknown one.
+        anyone else exactly as an unknown one. ``admit`` counts a call against the caller's
+        limits: every JSON-RPC request is one call (each of a batch, initialize included),
+        and so is an HTTP request that carries none (a GET, a DELETE, notifications alone).
         """
         origin = request.headers.get("Origin")
         # A page in a browser sends Origin; one on another site must not drive the tools
         # with the credentials the browser holds for this one. Programs send none.
         if origin is not None and not _same_origin(origin, request.host):
             return _refusal(403, INVALID_REQUEST, f"requests from web pages on {origin} are refused")
+        meter = _Meter(admit)
         if request.method == "POST":
-            return await self._post(request, caller, owner)
+            return meter.answer(await self._post(request, caller, owner, meter))
+        refused = await meter.count(None)
+        if refused is not None:
+            return meter.answer(_json(refused, refused_status(refused)))
         if request.method == "DELETE":
-            return self._delete(request, owner)
+            return meter.answer(self._delete(request, owner))
         # No server-initiated stream: 405 is the spec's way of saying so.
-        return _refusal(
-            405, INVALID_REQUEST, "this server opens no event stream; POST messages", headers={"Allow": "POST, DELETE"}
+        return meter.answer(
+            _refusal(
+                405,
+                INVALID_REQUEST,
+                "this server opens no event stream; POST messages",
+                headers={"Allow": "POST, DELETE"},
+            )
         )
 
     def _version_refusal(self, request: web.Request) -> web.Response | None:
@@ -370,7 +465,7 @@ class McpServer:
             return _refusal(404, INVALID_REQUEST, "session not found (ended or expired); initialize again")
         return session
 
-    async def _post(self, request: web.Request, caller: Any, owner: str) -> web.Response:
+    async def _post(self, request: web.Request, caller: Any, owner: str, meter: _Meter) -> web.Response:
         if request.content_type != "application/json":
             return _refusal(415, INVALID_REQUEST, f"the body must be application/json, not {request.content_type}")
         if not _accepts_json(request.headers.get("Accept")):
@@ -395,6 +490,9 @@ class McpServer:
             if isinstance(m, _Message) and not m.notification and m.method == "initialize":
                 # The one request without a session: it makes one. A session id or version
                 # header it carries is from an earlier session (a client starting over).
+                limited = await meter.count(m.id)
+                if limited is not None:
+                    return _json(limited, refused_status(limited))
                 return self._initialize(m, owner)
 
         refused = self._version_refusal(request)
@@ -404,17 +502,30 @@ class McpServer:
         if isinstance(session, web.Response):
             return session
 
+        calls = [m for m in messages if isinstance(m, _Message) and not m.notification]
+        if not calls:
+            limited = await meter.count(None)
+            if limited is not None:
+                return _json(limited, refused_status(limited))
         replies: list[dict[str, Any]] = []
-        # In order, one at a time: a batch that writes then reads sees its own write.
+        # In order, one at a time: a batch that writes then reads sees its own write. Each call
+        # is counted as it comes, so a batch larger than the key's rate runs its first calls only.
         for m in messages:
             if m is None:
                 continue  # a response from the client: there is nothing to answer
-            reply = m if isinstance(m, dict) else await self._message(m, caller)
+            if isinstance(m, dict):
+                reply: dict[str, Any] | None = m
+            elif not m.notification and (limited := await meter.count(m.id)) is not None:
+                reply = limited
+            else:
+                reply = await self._message(m, caller)
             if reply is not None:
                 replies.append(reply)
         if not replies:
             return web.Response(status=202)
-        return _json(replies if batch else replies[0])
+        # Every call refused by the limits: the HTTP status says so too, as chat's 429 does.
+        status = 429 if calls and meter.refused == len(calls) else 200
+        return _json(replies if batch else replies[0], status)
 
     def _initialize(self, m: _Message, owner: str) -> web.Response:
         params = m.params if isinstance(m.params, dict) else {}
@@ -429,7 +540,10 @@ class McpServer:
         }
         if self._instructions is not None:
             result["instructions"] = self._instructions
-        sid = self._sessions.create(owner, version)
+        try:
+            sid = self._sessions.create(owner, version)
+        except SessionsFull as exc:
+            return _json(_error(m.id, INTERNAL_ERROR, str(exc)), 503, {"Retry-After": "60"})
         return _json(_result(m.id, result), headers={SESSION_HEADER: sid})
 
     async def _message(self, parsed: _Message, caller: Any) -> dict[str, Any] | None:

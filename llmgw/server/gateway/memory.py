@@ -17,10 +17,12 @@ from llmgw import __version__
 from llmgw.errors import LlmgwError
 from llmgw.server.gateway.auth import AuthError
 from llmgw.server.gateway.conversations import NotKept, Scope
-from llmgw.server.gateway.errors import error_response
+from llmgw.server.gateway.errors import error_response, limit_response
+from llmgw.server.gateway.limits import LimitError
 from llmgw.server.gateway.mcp import McpServer, Tool, ToolError
 from llmgw.server.gateway.principal import Principal
-from llmgw.store.errors import StoreError
+from llmgw.store.agents import Quota
+from llmgw.store.errors import QuotaFull, StoreError
 
 if TYPE_CHECKING:
     from llmgw.server.gateway.conversations import Conversations
@@ -71,7 +73,13 @@ class Memory:
     def __init__(self, gateway: Gateway, conversations: Conversations | None) -> None:
         self.gateway = gateway
         self.conversations = conversations
-        self.mcp = McpServer("llmgw-memory", __version__, self._tools(), instructions=_INSTRUCTIONS)
+        self.mcp = McpServer(
+            "llmgw-memory",
+            __version__,
+            self._tools(),
+            instructions=_INSTRUCTIONS,
+            sessions_per_owner=gateway.config.agents.mcp_sessions_per_key,
+        )
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/memory", self.create)
@@ -100,6 +108,10 @@ class Memory:
         return scope
 
     @property
+    def _quota(self) -> Quota | None:
+        return self.conversations.quota if self.conversations is not None else None
+
+    @property
     def _store(self) -> Any:
         assert self.conversations is not None
         return self.conversations.store
@@ -110,7 +122,7 @@ class Memory:
         text = _text_field(args, "text", True)
         title = _text_field(args, "title", False)
         assert text is not None
-        return _note(await self._store.create_note(scope.project_id, text, title))
+        return _note(await self._store.create_note(scope.project_id, text, title, self._quota))
 
     async def _get(self, scope: Scope, note_id: str) -> dict:
         n = await self._store.get_note(scope.project_id, note_id, scope.hours)
@@ -132,7 +144,7 @@ class Memory:
             raise _NoteRefused(400, "give 'text', 'title' or both: what the note should now say", "missing_field")
         if await self._store.get_note(scope.project_id, note_id, scope.hours) is None:
             raise _NoteRefused(404, f"there is no note {note_id[:64]!r} here", "note_not_found")
-        n = await self._store.update_note(scope.project_id, note_id, text=text, title=title)
+        n = await self._store.update_note(scope.project_id, note_id, text=text, title=title, quota=self._quota)
         if n is None:
             raise _NoteRefused(404, f"there is no note {note_id[:64]!r} here", "note_not_found")
         return _note(n)
@@ -147,15 +159,25 @@ class Memory:
     # -- HTTP ---------------------------------------------------------------------------
 
     async def _answer(self, request: web.Request, op, status: int = 200) -> web.Response:
+        headers: dict[str, str] = {}
         try:
-            _, scope = await self._scope(request)
+            principal, scope = await self._scope(request)
+            # Counted before the body is read or the store asked: a key at its limits costs neither.
+            headers = await self.gateway.count_call(principal)
             result = await op(scope)
+        except LimitError as exc:
+            return limit_response(exc)
         except _NoteRefused as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            return error_response(exc.status, exc.message, exc.code, headers=headers or None)
+        except QuotaFull as exc:
+            # The project's storage quota, named with what it keeps; nothing was written.
+            return error_response(exc.status, str(exc), exc.code, headers=headers or None)
         except StoreError as exc:
             # The store's word on what it will not keep (a note too long, say).
-            return error_response(400, str(exc), "invalid_request")
-        return web.Response(status=status, body=orjson.dumps(result), content_type="application/json")
+            return error_response(400, str(exc), "invalid_request", headers=headers or None)
+        return web.Response(
+            status=status, body=orjson.dumps(result), content_type="application/json", headers=headers or None
+        )
 
     async def _body(self, request: web.Request) -> dict:
         if request.content_length is not None and request.content_length > MAX_BODY:
@@ -204,8 +226,11 @@ class Memory:
             principal, _ = await self._scope(request)
         except _NoteRefused as exc:
             return error_response(exc.status, exc.message, exc.code)
-        # A session belongs to the key that opened it; without keys, to the one shared pool.
-        return await self.mcp.handle(request, principal, principal.key_id or "anonymous")
+        # A session belongs to the key that opened it; without keys, to the one shared pool. Each
+        # call counts against the key's limits as one request (McpServer.handle).
+        return await self.mcp.handle(
+            request, principal, principal.key_id or "anonymous", lambda: self.gateway.count_call(principal)
+        )
 
     def _tool(self, name: str, description: str, schema: dict, run, read_only: bool = False) -> Tool:
         async def call(principal: Principal, args: dict) -> Any:

@@ -35,7 +35,7 @@ from llmgw.server.gateway.agent_apis import AgentApis
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.conversations import THREAD_HEADER
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
-from llmgw.server.gateway.errors import error_body, error_response
+from llmgw.server.gateway.errors import error_body, error_response, limit_response
 from llmgw.server.gateway.limits import Accountant, Accounting, LimitError, Pricing, Reservation
 from llmgw.server.gateway.request import (
     CHAT,
@@ -431,9 +431,7 @@ class Gateway:
                 res = call.res = await accountant.admit(principal, served.name, *estimate)
             except LimitError as exc:
                 self.metrics.count_request(served.name, route.name, exc.status)
-                return error_response(
-                    exc.status, exc.message, exc.code, headers=exc.headers or None, anthropic=route.anthropic
-                )
+                return limit_response(exc, anthropic=route.anthropic)
         ticket: Ticket | None = None
         try:
             if admission is not None:
@@ -460,6 +458,18 @@ class Gateway:
             if res is not None and accountant is not None and not res.done:
                 # It never reached an engine: the request and its tokens are given back.
                 accountant.cancel(res)
+
+    async def count_call(self, principal: Principal) -> dict[str, str]:
+        """Count one request that calls no model (a note, an MCP call, a kept conversation read or
+        deleted) against the key's limits: one request on every rate pool, no tokens, refused while a
+        budget is spent (Accountant.check with model None). Raises LimitError; returns the
+        x-ratelimit-* headers to answer with."""
+        accountant = self.accountant
+        if accountant is None or not principal.pools:
+            return {}
+        res = await accountant.admit(principal, None, 0)
+        accountant.settle(res, 0, 0)  # counted: nothing was held, nothing to give back
+        return accountant.headers(principal)
 
     def _too_large(self, route: Route) -> web.Response:
         return self._refuse(

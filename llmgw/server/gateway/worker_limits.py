@@ -16,7 +16,8 @@ answer, so they cost a worker a write. Messages are length-prefixed orjson array
 turn of the loop however many were sent in it, so a burst costs one system call a turn:
 
     worker -> server   ["p", pools_id, [[key, rpm, tpm, budget_micros, period], ...]]   pools, once
-                       ["c", call_id, pools_id, model, est_prompt, est_completion]      admit
+                       ["c", call_id, pools_id, model, est_prompt, est_completion]      admit (model
+                                                                                        null: no model)
                        ["s", reservation_id, prompt_tokens, completion_tokens]         settle
                        ["x", reservation_id]                                            cancel
     server -> worker   ["ok", call_id, reservation_id, headers]
@@ -183,7 +184,7 @@ class AccountantLink(_Frames):
             log.error("limits channel of worker %d: unknown message %.100r", self.worker, msg)
 
     async def _after_refill(
-        self, cid: int, pending: AllowancePending, principal: Principal, model: str, ep: int, ec: int
+        self, cid: int, pending: AllowancePending, principal: Principal, model: str | None, ep: int, ec: int
     ) -> None:
         try:
             res = await self.accountant.refilled(pending, principal, model, ep, ec)
@@ -238,7 +239,7 @@ class RemoteReservation(Reservation):
 
     __slots__ = ("rid",)
 
-    def __init__(self, principal: Principal, model: str, estimated_tokens: int, rid: int) -> None:
+    def __init__(self, principal: Principal, model: str | None, estimated_tokens: int, rid: int) -> None:
         super().__init__(principal, model, principal.pools, estimated_tokens, 0.0)
         self.rid = rid
 
@@ -273,9 +274,10 @@ class WorkerAccountant(_Frames):
         return pid
 
     async def admit(
-        self, principal: Principal, model: str, estimated_prompt: int, estimated_completion: int = 0
+        self, principal: Principal, model: str | None, estimated_prompt: int, estimated_completion: int = 0
     ) -> Reservation:
-        Accountant.allowed(principal, model)
+        if model is not None:  # None: a request that calls no model (limits.Accountant.check)
+            Accountant.allowed(principal, model)
         if self.transport is None or self.transport.is_closing():
             raise LimitError(503, "the server is stopping; send the request again", "unavailable")
         pid = self._pools_id(principal.pools)
@@ -306,7 +308,8 @@ class WorkerAccountant(_Frames):
         reservation.done = True
         assert isinstance(reservation, RemoteReservation)
         self.send(["s", reservation.rid, max(prompt_tokens, 0), max(completion_tokens, 0)])
-        cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
+        model = reservation.model
+        cost = self.pricing.cost_micros(model, prompt_tokens, completion_tokens) if model is not None else 0
         reservation.cost_micros = cost
         return cost
 
