@@ -75,10 +75,11 @@ commit was never confirmed and that is then written again by another process (ke
 usage journal, replayed by the next start) is counted again by the others.
 
 When it is on: auth.shared_limits; null (the default) turns it on when the store is
-PostgreSQL, the only store gateways on several machines can share, and always with more than
-one worker (server.yaml's workers: each worker process is a gateway here, with its own id). SQLite is one machine's
-file; two processes on one file can share it too, with auth.shared_limits: true. Off, the
-accountant is exactly as it is without this module.
+PostgreSQL, the only store gateways on several machines can share. SQLite is one machine's
+file; two servers on one file can share it too, with auth.shared_limits: true. Off, the
+accountant is exactly as it is without this module. A server's workers are not gateways here:
+they ask its accountant (worker_limits.py), which leases for the whole machine, and they write
+their spend under its name (SPENDER/...), which its own reads of the others' spend skip.
 """
 
 from __future__ import annotations
