@@ -28,6 +28,7 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import (
     BadHttpMethod,
     BadStatusLine,
+    ContentEncodingError,
     HttpProcessingError,
     InvalidHeader,
     InvalidURLError,
@@ -41,6 +42,8 @@ SERVER = "llmgw"
 
 # (status, message, code) -> the body of an error response (JSON).
 ErrorBody = Callable[[int, str, str], bytes]
+# A request -> the error body of the API it was made to, for a listener serving more than one.
+ErrorBodyFor = Callable[[web.BaseRequest], ErrorBody]
 
 # Refusals aiohttp raises with a fixed text (none of them holds request bytes) and
 # the sentence a client gets instead. Everything else the parser raises carries the
@@ -68,6 +71,13 @@ def describe(exc: HttpProcessingError, max_headers: int) -> tuple[str, str]:
         return "bad_request_line", "the request line is not `METHOD /path HTTP/1.1`"
     if isinstance(exc, InvalidHeader):
         return "bad_header", "a header is malformed or holds a byte HTTP does not allow"
+    if isinstance(exc, ContentEncodingError):
+        # Raised at the headers for an encoding this build cannot read (br, zstd without their
+        # modules); a body that breaks inside gzip or deflate is a RequestPayloadError instead.
+        return (
+            "unsupported_encoding",
+            "the request's Content-Encoding is not one this server reads; send the body as it is, or in gzip or deflate",
+        )
     text = exc.message if isinstance(exc.message, str) else ""
     # llhttp's refusals read "<reason>:\n\n  <the bytes>\n  <pointer>": its reason is a
     # fixed string, the rest is the request's own bytes. aiohttp's own have no bytes.
@@ -87,7 +97,7 @@ def describe(exc: HttpProcessingError, max_headers: int) -> tuple[str, str]:
     return "invalid_http", "the request is not valid HTTP/1.1"
 
 
-def _route(request: web.BaseRequest) -> str:
+def route_of(request: web.BaseRequest) -> str:
     """The route a request matched, as written (/claim/{token}), never its path: a path may carry a secret."""
     info = getattr(request, "match_info", None)
     route = getattr(info, "route", None)
@@ -98,11 +108,14 @@ def _route(request: web.BaseRequest) -> str:
 class _Protocol(RequestHandler):
     """aiohttp's connection, with errors raised below the handlers answered our way."""
 
-    __slots__ = ("_error_body",)
+    __slots__ = ("_error_body", "_error_body_for")
 
-    def __init__(self, manager: web.Server, *, error_body: ErrorBody, **kwargs: Any) -> None:
+    def __init__(
+        self, manager: web.Server, *, error_body: ErrorBody, error_body_for: ErrorBodyFor | None, **kwargs: Any
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._error_body = error_body
+        self._error_body_for = error_body_for
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         if isinstance(kw.get("exc_info"), web.RequestPayloadError):
@@ -118,7 +131,7 @@ class _Protocol(RequestHandler):
         # `message` and the exception's own text hold the request's bytes; neither is used.
         if isinstance(exc, HttpProcessingError):
             code, text = describe(exc, self.max_headers)
-            status = exc.code if 400 <= exc.code < 500 else 400
+            status = 415 if code == "unsupported_encoding" else exc.code if 400 <= exc.code < 500 else 400
             # What scanners and TLS clients send to a plain port as their first bytes: noise
             # on a public listener, so it is logged only when debugging (as aiohttp does).
             level = logging.DEBUG if isinstance(exc, BadHttpMethod) and self._request_count == 1 else logging.INFO
@@ -135,24 +148,27 @@ class _Protocol(RequestHandler):
                 "refused a request from %s to %s %s: %s (%s)",
                 request.remote,
                 request.method,
-                _route(request),
+                route_of(request),
                 text,
                 code,
             )
         elif status == 504:
             code, text = "timeout", "the server took too long to answer"
-            log.warning("%s %s from %s: the handler timed out", request.method, _route(request), request.remote)
+            log.warning("%s %s from %s: the handler timed out", request.method, route_of(request), request.remote)
         else:
             # A handler raised: a bug, whose traceback is worth having. The route is named
             # as written, not the request's path, which may hold a secret (a claim link).
             status, code, text = 500, "internal_error", "the server failed on this request; the log says why"
-            log.error("%s %s from %s failed", request.method, _route(request), request.remote, exc_info=exc)
+            log.error("%s %s from %s failed", request.method, route_of(request), request.remote, exc_info=exc)
         if request.writer.output_size > 0:
             # The response has begun: the connection cannot carry another (as aiohttp does).
             raise ConnectionError("the response has begun; the error cannot be sent")
+        # A refusal of the parser has no route yet (aiohttp hands over a stand-in request for "/"):
+        # it takes the listener's own shape.
+        shape = self._error_body if self._error_body_for is None else self._error_body_for(request)
         resp = web.Response(
             status=status,
-            body=self._error_body(status, text, code),
+            body=shape(status, text, code),
             content_type="application/json",
             headers={hdrs.SERVER: SERVER, hdrs.CONNECTION: "close"},
         )
@@ -163,7 +179,7 @@ class _Protocol(RequestHandler):
 class _Server(web.Server):
     """aiohttp's low-level server, with connections of our class."""
 
-    def __init__(self, base: web.Server, error_body: ErrorBody) -> None:
+    def __init__(self, base: web.Server, error_body: ErrorBody, error_body_for: ErrorBodyFor | None) -> None:
         # The application built `base` with every setting aiohttp derives (debug, handler
         # arguments, access log); it has no parameter for the connection class.
         super().__init__(
@@ -174,22 +190,29 @@ class _Server(web.Server):
             **base._kwargs,
         )
         self.error_body = error_body
+        self.error_body_for = error_body_for
 
     def __call__(self) -> RequestHandler:
-        return _Protocol(self, loop=self._loop, error_body=self.error_body, **self._kwargs)
+        return _Protocol(
+            self, loop=self._loop, error_body=self.error_body, error_body_for=self.error_body_for, **self._kwargs
+        )
 
 
 class Runner(web.AppRunner):
     """An AppRunner for one listener: llmgw's error answers, Server header and drain.
 
-    ``kwargs`` go to aiohttp's AppRunner (``shutdown_timeout``, ``handler_cancellation``...);
-    access logging is off, as the gateway keeps its own records.
+    ``error_body_for``, given, picks the shape for each request a handler or its body failed on
+    (a listener serving two APIs); ``kwargs`` go to aiohttp's AppRunner (``shutdown_timeout``,
+    ``handler_cancellation``...); access logging is off, as the gateway keeps its own records.
     """
 
-    def __init__(self, app: web.Application, error_body: ErrorBody, **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, error_body: ErrorBody, error_body_for: ErrorBodyFor | None = None, **kwargs: Any
+    ) -> None:
         kwargs.setdefault("access_log", None)
         super().__init__(app, handle_signals=False, **kwargs)
         self.error_body = error_body
+        self.error_body_for = error_body_for
         self.draining = False
         app.on_response_prepare.append(self._on_prepare)
 
@@ -201,7 +224,7 @@ class Runner(web.AppRunner):
             response.force_close()
 
     async def _make_server(self) -> web.Server:
-        return _Server(await super()._make_server(), self.error_body)
+        return _Server(await super()._make_server(), self.error_body, self.error_body_for)
 
 
 def begin_drain(runners: Iterable[web.BaseRunner]) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmgw.config.server import ThreadsConfig
+from llmgw.server.gateway.checks import check_id
 from llmgw.server.gateway.principal import Principal
 
 log = logging.getLogger("llmgw.gateway.conversations")
@@ -26,7 +27,6 @@ log = logging.getLogger("llmgw.gateway.conversations")
 THREAD_HEADER = "x-llmgw-thread"
 NEW_THREAD = "new"  # the header's value that starts a conversation; the reply's header names it
 SWEEP_INTERVAL = 3600.0  # what expired is removed hourly; reads already treat it as gone
-MAX_ID = 64
 
 Kind = Literal["threads", "memory"]
 
@@ -94,9 +94,9 @@ class Conversations:
 
     async def history(self, scope: Scope, thread_id: str) -> list[dict] | None:
         """A conversation's messages, after any write of its own still under way; None when the
-        project has no such conversation (another project's reads exactly the same)."""
-        if len(thread_id) > MAX_ID:
-            return None
+        project has no such conversation (another project's reads exactly the same). An id
+        that no conversation can have (a control character, too long) is BadInput."""
+        check_id("thread", thread_id)
         await self._settled(thread_id)
         return await self.store.thread_messages(scope.project_id, thread_id, scope.hours)
 
@@ -105,14 +105,12 @@ class Conversations:
         self._behind(thread_id, lambda: self.store.append_thread(scope.project_id, thread_id, messages, model))
 
     async def forget(self, scope: Scope, thread_id: str) -> bool:
-        if len(thread_id) > MAX_ID:
-            return False
+        check_id("thread", thread_id)
         await self._settled(thread_id)
         return await self.store.delete_thread(scope.project_id, thread_id)
 
     async def response_history(self, scope: Scope, response_id: str) -> list[dict] | None:
-        if len(response_id) > MAX_ID:
-            return None
+        check_id("response", response_id, "previous_response_id")
         await self._settled(response_id)
         return await self.store.response_history(scope.project_id, response_id, scope.hours)
 
