@@ -38,6 +38,8 @@ from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("llmgw.http")
 
+BAD_BODY = "the request body could not be read (its chunks or compression are broken)"
+
 SERVER = "llmgw"
 
 # (status, message, code) -> the body of an error response (JSON).
@@ -72,12 +74,15 @@ def describe(exc: HttpProcessingError, max_headers: int) -> tuple[str, str]:
     if isinstance(exc, InvalidHeader):
         return "bad_header", "a header is malformed or holds a byte HTTP does not allow"
     if isinstance(exc, ContentEncodingError):
-        # Raised at the headers for an encoding this build cannot read (br, zstd without their
-        # modules); a body that breaks inside gzip or deflate is a RequestPayloadError instead.
-        return (
-            "unsupported_encoding",
-            "the request's Content-Encoding is not one this server reads; send the body as it is, or in gzip or deflate",
-        )
+        if "Please install" in str(exc.message):
+            # At the headers: an encoding this build has no decoder for (br, zstd).
+            return (
+                "unsupported_encoding",
+                "the request's Content-Encoding is not one this server reads; "
+                "send the body as it is, or in gzip or deflate",
+            )
+        # A deflate stream that stops short of its end, found when the body ends.
+        return "bad_body", BAD_BODY
     text = exc.message if isinstance(exc.message, str) else ""
     # llhttp's refusals read "<reason>:\n\n  <the bytes>\n  <pointer>": its reason is a
     # fixed string, the rest is the request's own bytes. aiohttp's own have no bytes.
@@ -108,7 +113,7 @@ def route_of(request: web.BaseRequest) -> str:
 class _Protocol(RequestHandler):
     """aiohttp's connection, with errors raised below the handlers answered our way."""
 
-    __slots__ = ("_error_body", "_error_body_for")
+    __slots__ = ("_error_body", "_error_body_for", "_target")
 
     def __init__(
         self, manager: web.Server, *, error_body: ErrorBody, error_body_for: ErrorBodyFor | None, **kwargs: Any
@@ -116,6 +121,27 @@ class _Protocol(RequestHandler):
         super().__init__(manager, **kwargs)
         self._error_body = error_body
         self._error_body_for = error_body_for
+        self._target = b""
+
+    def data_received(self, data: bytes) -> None:
+        if self._error_body_for is not None and self._current_request is None and not self._messages:
+            # The path of the request these bytes begin: a refusal of the parser (a deflate body
+            # sent with its headers that stops short) comes with no request to take its shape
+            # from. Only the shape is chosen by it.
+            self._target = data[:512].split(b" ", 2)[1] if data.count(b" ", 0, 512) >= 2 else b""
+        queued = len(self._messages)
+        super().data_received(data)
+        # A deflate stream that stops short is found when its body ends, and aiohttp's parser
+        # then queues the refusal as a message of its own, behind the request whose body it is:
+        # that request's handler would wait for the rest of its body until the client gave up.
+        # No next message can be parsed before a body ends, so a message queued while the body
+        # being read is unfinished is that refusal; the body fails instead, as a broken gzip
+        # body does, and is answered in the route's own shape.
+        request = self._current_request
+        if len(self._messages) > queued and request is not None:
+            body = request.content
+            if not body.is_eof() and body.exception() is None:
+                body.set_exception(web.RequestPayloadError(BAD_BODY))
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         if isinstance(kw.get("exc_info"), web.RequestPayloadError):
@@ -139,11 +165,7 @@ class _Protocol(RequestHandler):
         elif isinstance(exc, web.RequestPayloadError):
             # The body broke off or would not decode (chunks, compression): the client's fault,
             # raised where a handler reads it. Its text may quote the body, so it is not used.
-            status, code, text = (
-                400,
-                "bad_body",
-                "the request body could not be read (its chunks or compression are broken)",
-            )
+            status, code, text = 400, "bad_body", BAD_BODY
             log.info(
                 "refused a request from %s to %s %s: %s (%s)",
                 request.remote,
@@ -165,7 +187,9 @@ class _Protocol(RequestHandler):
             raise ConnectionError("the response has begun; the error cannot be sent")
         # A refusal of the parser has no route yet (aiohttp hands over a stand-in request for "/"):
         # it takes the listener's own shape.
-        shape = self._error_body if self._error_body_for is None else self._error_body_for(request)
+        shape = (
+            self._error_body if self._error_body_for is None else self._error_body_for(self._shaped_by(request, exc))
+        )
         resp = web.Response(
             status=status,
             body=shape(status, text, code),
@@ -174,6 +198,16 @@ class _Protocol(RequestHandler):
         )
         resp.force_close()
         return resp
+
+    def _shaped_by(self, request: web.BaseRequest, exc: BaseException | None) -> web.BaseRequest:
+        """The request whose API an error answer speaks: for a refusal of the parser, aiohttp's
+        stand-in for "/" with the path these bytes asked for."""
+        if not isinstance(exc, HttpProcessingError) or not self._target.startswith(b"/"):
+            return request
+        try:
+            return request.clone(rel_url=self._target.decode("ascii"))
+        except (ValueError, RuntimeError):  # not a path yarl reads: the listener's own shape
+            return request
 
 
 class _Server(web.Server):
