@@ -39,9 +39,10 @@ from llmgw.server.control.mirror_client import MirrorClient, MirrorUnavailable
 from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.control.shared_endpoints import SharedEndpoints
 from llmgw.server.gateway.auth import KeyCache
+from llmgw.server.gateway.checks import BadInput
 from llmgw.server.gateway.conversations import Conversations
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet, read_endpoint_key
-from llmgw.server.gateway.errors import error_body, error_response
+from llmgw.server.gateway.errors import error_body, error_body_for, error_response, refuse_input, speaks_anthropic
 from llmgw.server.gateway.limits import Accountant
 from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.gateway.shared_limits import SharedLimits, SpendTally, shared_limits_for
@@ -428,7 +429,15 @@ class Server:
         *,
         reuse_port: bool = False,
     ) -> web.AppRunner:
-        runner = Runner(app, error_body, handler_cancellation=True, shutdown_timeout=self.config.timeouts.drain)
+        # The client listener serves OpenAI's API and Anthropic's: a failure is answered in the
+        # shape of the one the request was made to.
+        runner = Runner(
+            app,
+            error_body,
+            error_body_for if key == "listen" else None,
+            handler_cancellation=True,
+            shutdown_timeout=self.config.timeouts.drain,
+        )
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(
@@ -666,9 +675,12 @@ def _standby_writes(server: Server) -> Middleware:
 async def _json_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """aiohttp's own refusals (unknown path, wrong method) in the same JSON shape as ours."""
+    """aiohttp's own refusals (unknown path, wrong method) and input no route can take (checks.py),
+    in the JSON shape of the API the request was made to."""
     try:
         return await handler(request)
+    except BadInput as exc:
+        return refuse_input(request, exc, anthropic=speaks_anthropic(request))
     except NoMirror:
         return error_response(404, "this control plane has no mirror; set mirror.api in server.yaml", "no_mirror")
     except NotControlPlane:
@@ -680,11 +692,19 @@ async def _json_errors(
             405,
             f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
             "method_not_allowed",
+            anthropic=speaks_anthropic(request),
         )
     except web.HTTPNotFound:
-        return error_response(404, f"there is nothing at {request.path}", "not_found")
+        return error_response(
+            404, f"there is nothing at {request.path}", "not_found", anthropic=speaks_anthropic(request)
+        )
     except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, exc.text or "the request body is too large", "request_too_large")
+        return error_response(
+            413,
+            exc.text or "the request body is too large",
+            "request_too_large",
+            anthropic=speaks_anthropic(request),
+        )
 
 
 async def serve_until_stopped(

@@ -1,7 +1,7 @@
 """The store: SQLAlchemy Core tables and Alembic migrations over SQLite and PostgreSQL."""
 
 from .address import resolve_store_address
-from .agents import Note, Retention, Swept
+from .agents import Note, Retention, Swept, caller_id_problem
 from .capacity import MeasuredCapacity
 from .errors import (
     Ambiguous,
@@ -61,6 +61,7 @@ __all__ = [
     "Tree",
     "UsageRow",
     "User",
+    "caller_id_problem",
     "hash_secret",
     "mask_password",
     "resolve_store_address",

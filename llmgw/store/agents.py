@@ -243,14 +243,32 @@ def _check_project(project_id: object) -> str | None:
     return project_id
 
 
-def _check_caller_id(what: str, value: object) -> str:
+def caller_id_problem(what: str, value: object) -> str | None:
+    """Why ``value`` cannot be a thread, response or note id, or None when it can be one.
+
+    The one rule for ids a caller hands in, which the gateway checks before it asks the store:
+    1 to 64 characters, none of them a control character (PostgreSQL refuses NUL in text) or
+    a lone surrogate (no UTF-8 encodes one)."""
     if not isinstance(value, str) or not value or len(value) > MAX_CALLER_ID:
         shown = (
             f"{value[:MAX_CALLER_ID]!r}… ({len(value)} characters)" if isinstance(value, str) and value else repr(value)
         )
-        raise StoreError(f"A {what} id is 1 to {MAX_CALLER_ID} characters, not {shown}.")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise StoreError(f"A {what} id cannot contain control characters: {value!r}.")
+        return f"A {what} id is 1 to {MAX_CALLER_ID} characters, not {shown}."
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        return f"A {what} id cannot contain control characters: {value!r}."
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"A {what} id cannot contain a lone surrogate (it is not text): {value!r}."
+    return None
+
+
+def _check_caller_id(what: str, value: object) -> str:
+    problem = caller_id_problem(what, value)
+    if problem is not None:
+        raise StoreError(problem)
+    assert isinstance(value, str)
     return value
 
 
@@ -597,8 +615,8 @@ class AgentDataMixin:
         than retain_hours ago."""
         project_id = _check_project(project_id)
         since = _window(retain_hours)
-        if not isinstance(note_id, str):
-            return None
+        if caller_id_problem("note", note_id) is not None:
+            return None  # no note has such an id, and PostgreSQL would refuse to look (NUL)
         q = select(*_NOTE_COLS).where(
             memory_notes.c.id == note_id,
             _scope(memory_notes.c.project_id, project_id),
@@ -635,6 +653,9 @@ class AgentDataMixin:
         limit = _check_page("limit", limit, 1)
         if not isinstance(query, str):
             raise StoreError(f"A note search is text, not {query!r}.")
+        if "\x00" in query:
+            # PostgreSQL refuses NUL in text, and an FTS5 query stops at it.
+            raise StoreError("A note search cannot contain NUL characters.")
         words = _words(query)
         if not words:
             return []
@@ -683,7 +704,7 @@ class AgentDataMixin:
         if title is not None:
             values["title"] = _check_title(title)
         where = [memory_notes.c.updated_at >= _window(retain_hours)] if retain_hours is not None else []
-        if not isinstance(note_id, str):
+        if caller_id_problem("note", note_id) is not None:
             return None
         where += [memory_notes.c.id == note_id, _scope(memory_notes.c.project_id, project_id)]
         async with self._writer.begin() as conn:
@@ -703,7 +724,7 @@ class AgentDataMixin:
     async def delete_note(self, project_id: str | None, note_id: str) -> bool:
         """Forget a note now; False when the project has no such note."""
         project_id = _check_project(project_id)
-        if not isinstance(note_id, str):
+        if caller_id_problem("note", note_id) is not None:
             return False
         n = memory_notes
         async with self._writer.begin() as conn:

@@ -179,3 +179,76 @@ def test_requests_running_when_sigterm_arrives_are_answered_with_connection_clos
     finally:
         gw.stop()
         engine.kill()
+
+
+def test_input_no_route_can_take_is_refused_in_the_apis_shape_with_one_log_line_and_no_traceback(tmp_path):
+    """The requests that were 500s with a traceback (max_tokens 2**64 on /v1/messages, a NUL in
+    previous_response_id, GET /v1/threads/<id>%00) and a broken gzip body on /v1/messages (once in
+    OpenAI's shape), sent to a real `llmgw server` with a key of a project that keeps conversations."""
+    import asyncio
+    import gzip
+
+    from llmgw.store import Store
+
+    engine, url = fake_engine(tmp_path, ttft_ms=0)
+    gw = Gateway(tmp_path, models=[{"name": "fake", "endpoints": [{"url": url, "engine": "llamacpp"}]}]).wait_up()
+    try:
+
+        async def tenancy() -> None:
+            s = await Store.open(gw.store)
+            try:
+                await s.add_org("Acme")
+                await s.add_team("platform", "Acme")
+                await s.add_project("agents", "Acme/platform")
+            finally:
+                await s.close()
+
+        asyncio.run(tenancy())
+        r = gw.keys("threads", "--project", "Acme/platform/agents", "--retain-hours", "24")
+        assert r.returncode == 0, r.stderr
+        r = gw.keys("create", "--name", "agent", "--project", "Acme/platform/agents")
+        assert r.returncode == 0, r.stderr
+        key = r.stdout.strip().splitlines()[-1]
+        auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        wait_until(
+            lambda: httpx.get(gw.url + "/v1/threads/thr_none", headers=auth).status_code == 404,
+            10,
+            "the server to accept the key and keep its project's conversations",
+            [gw],
+        )
+        hi = b'"messages":[{"role":"user","content":"hi"}]'
+        cases = [
+            ("POST", "/v1/messages", b'{"model":"fake","max_tokens":18446744073709551616,' + hi + b"}", {}, True),
+            (
+                "POST",
+                "/v1/responses",
+                b'{"model":"fake","input":"hi","previous_response_id":"resp_\\u0000"}',
+                {},
+                False,
+            ),
+            ("GET", "/v1/threads/thr_x%00", b"", {}, False),
+            ("POST", "/v1/messages", gzip.compress(b"{}")[:12] + b"broken", {"Content-Encoding": "gzip"}, True),
+        ]
+        for method, path, body, headers, anthropic in cases:
+            r = httpx.request(method, gw.url + path, content=body, headers={**auth, **headers})
+            assert r.status_code == 400, (path, r.status_code, r.text)
+            if anthropic:
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
+            else:
+                assert r.json()["error"]["code"] in ("invalid_id", "number_too_large"), r.text
+        wait_until(
+            lambda: gw.text().count("refused a request from 127.0.0.1 to ") >= len(cases),
+            10,
+            "a log line for each refusal",
+            [gw],
+        )
+        log = gw.text()
+        assert log.count("refused a request from 127.0.0.1 to ") == len(cases), log
+        for route in ("POST /v1/messages", "POST /v1/responses", "GET /v1/threads/{thread}"):
+            assert f"to {route}: " in log
+        assert "Traceback" not in log and key[14:] not in log
+    finally:
+        try:
+            assert gw.stop() == 0, gw.text()
+        finally:
+            engine.kill()

@@ -46,16 +46,17 @@ BAD = {
 class Listener:
     """One Runner on a free port with a handler that fails, one that is slow, one that answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, error_body_for=None) -> None:
         self.release = asyncio.Event()
         self.slow_started = asyncio.Event()
+        self.reading = asyncio.Event()
         app = web.Application()
         app.router.add_get("/", self.ok)
         app.router.add_get("/slow", self.slow)
         app.router.add_get("/boom/{secret}", self.boom)
         app.router.add_get("/ws", self.ws)
         app.router.add_post("/read", self.read)
-        self.runner = Runner(app, error_body, shutdown_timeout=5)
+        self.runner = Runner(app, error_body, error_body_for, shutdown_timeout=5)
 
     async def ok(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -69,6 +70,7 @@ class Listener:
         raise RuntimeError("a bug")
 
     async def read(self, request: web.Request) -> web.Response:
+        self.reading.set()
         return web.Response(body=await request.read())
 
     async def ws(self, request: web.Request) -> web.WebSocketResponse:
@@ -216,3 +218,65 @@ async def test_a_body_that_does_not_decode_is_a_400_not_a_500_with_a_traceback(c
     assert status == 400 and headers["server"] == SERVER
     assert orjson.loads(body)["error"]["code"] == "bad_body"
     assert not [r for r in caplog.records if r.exc_info]
+
+
+async def test_a_deflate_body_that_stops_short_after_its_handler_began_is_a_400_not_a_wait_forever(caplog):
+    # aiohttp finds the short stream when the body ends and queues its refusal behind the running
+    # request, which would wait for the rest of its body until the client gave up.
+    caplog.set_level(logging.DEBUG)
+    async with Listener() as lis:
+        reader, writer = await asyncio.open_connection("127.0.0.1", lis.port)
+        try:
+            writer.write(b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\nContent-Length: 3\r\n\r\n")
+            await writer.drain()
+            await async_until(lis.reading.is_set, 5, "the handler to start reading its body")
+            writer.write(b"x\x9cK")  # a zlib header and one byte of a stream that never ends
+            await writer.drain()
+            raw = await asyncio.wait_for(reader.read(), 5)
+        finally:
+            writer.close()
+    status, headers, body = split(raw)
+    assert status == 400 and headers["connection"] == "close"
+    assert orjson.loads(body)["error"]["code"] == "bad_body"
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+async def test_a_deflate_body_that_stops_short_in_one_packet_is_a_400_too():
+    async with Listener() as lis:
+        raw = await exchange(
+            lis.port, b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\nContent-Length: 3\r\n\r\nx\x9cK"
+        )
+    status, _, body = split(raw)
+    assert status == 400 and orjson.loads(body)["error"]["code"] == "bad_body"
+
+
+async def test_an_encoding_without_a_decoder_here_is_a_415_that_names_the_ones_read():
+    async with Listener() as lis:
+        raw = await exchange(
+            lis.port, b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}"
+        )
+    status, _, body = split(raw)
+    err = orjson.loads(body)["error"]
+    assert status == 415 and err["code"] == "unsupported_encoding" and "gzip or deflate" in err["message"]
+    assert "install" not in err["message"]  # aiohttp's advice is for the operator, not the client
+
+
+async def test_a_listener_with_two_apis_answers_a_failure_in_the_shape_of_the_one_called():
+    def shape(request):
+        if request.path.startswith("/read"):
+            return lambda status, message, code: orjson.dumps({"type": "error", "error": {"message": message}})
+        return error_body
+
+    async with Listener(shape) as lis:
+        broken = b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nnope!"
+        status, _, body = split(await exchange(lis.port, broken))
+        assert status == 400 and orjson.loads(body)["type"] == "error"
+        status, _, body = split(await exchange(lis.port, b"GET /boom/x HTTP/1.1\r\nHost: x\r\n\r\n"))
+        assert status == 500 and orjson.loads(body)["error"]["code"] == "internal_error"
+        # Refused by the parser before any request exists (a deflate body sent with its headers
+        # that stops short): shaped by the path the bytes asked for.
+        short = b"POST /read HTTP/1.1\r\nHost: x\r\nContent-Encoding: deflate\r\nContent-Length: 3\r\n\r\nx\x9cK"
+        status, _, body = split(await exchange(lis.port, short))
+        assert status == 400 and orjson.loads(body)["type"] == "error"
+        status, _, body = split(await exchange(lis.port, short.replace(b"/read", b"/other")))
+        assert status == 400 and orjson.loads(body)["error"]["code"] == "bad_body"

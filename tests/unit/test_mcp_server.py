@@ -336,7 +336,22 @@ async def test_malformed_json_is_a_parse_error(served):
             headers={"Mcp-Session-Id": sid, "Content-Type": "application/json"},
         )
     assert r.status_code == 400
-    assert r.json() == {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "the body is not JSON"}}
+    body = r.json()
+    assert body["id"] is None and body["error"]["code"] == -32700
+    assert body["error"]["message"].startswith("the request body is not valid JSON: unexpected end of data")
+
+
+async def test_a_whole_number_past_64_bits_is_a_parse_error_naming_where_it_is(served):
+    async with raw(served.url) as c:
+        sid = await initialize(c)
+        r = await c.post(
+            "/mcp",
+            content=b'{"jsonrpc": "2.0", "id": 18446744073709551616, "method": "tools/list"}',
+            headers={"Mcp-Session-Id": sid, "Content-Type": "application/json"},
+        )
+    assert r.status_code == 400
+    body = r.json()
+    assert body["error"]["code"] == -32700 and body["error"]["message"].startswith("'id' is 18446744073709551616")
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from llmgw.server.gateway import messages_api, responses_api
 from llmgw.server.gateway.auth import AuthError
+from llmgw.server.gateway.checks import BadInput, load_json
 from llmgw.server.gateway.conversations import (
     NEW_THREAD,
     THREAD_HEADER,
@@ -222,9 +223,9 @@ class AgentApis:
             return got
         principal, raw = got
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return self._refuse(route, 400, f"the request body is not valid JSON: {exc}", "invalid_json")
+            body = load_json(raw)
+        except BadInput as exc:
+            return self.gateway.refuse_bad_input(request, route, exc)
         return principal, raw, body
 
     def _refuse(self, route: Route, status: int, message: str, code: str, param: str | None = None) -> web.Response:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmgw.config.server import ThreadsConfig
+from llmgw.server.gateway.checks import check_id
 from llmgw.server.gateway.principal import Principal
 from llmgw.store.agents import Quota
 from llmgw.store.errors import QuotaFull
@@ -28,7 +29,6 @@ log = logging.getLogger("llmgw.gateway.conversations")
 THREAD_HEADER = "x-llmgw-thread"
 NEW_THREAD = "new"  # the header's value that starts a conversation; the reply's header names it
 SWEEP_INTERVAL = 3600.0  # what expired is removed hourly; reads already treat it as gone
-MAX_ID = 64
 
 Kind = Literal["threads", "memory"]
 
@@ -101,9 +101,9 @@ class Conversations:
 
     async def history(self, scope: Scope, thread_id: str) -> list[dict] | None:
         """A conversation's messages, after any write of its own still under way; None when the
-        project has no such conversation (another project's reads exactly the same)."""
-        if len(thread_id) > MAX_ID:
-            return None
+        project has no such conversation (another project's reads exactly the same). An id
+        that no conversation can have (a control character, too long) is BadInput."""
+        check_id("thread", thread_id)
         await self._settled(thread_id)
         return await self.store.thread_messages(scope.project_id, thread_id, scope.hours)
 
@@ -143,14 +143,12 @@ class Conversations:
         return None
 
     async def forget(self, scope: Scope, thread_id: str) -> bool:
-        if len(thread_id) > MAX_ID:
-            return False
+        check_id("thread", thread_id)
         await self._settled(thread_id)
         return await self.store.delete_thread(scope.project_id, thread_id)
 
     async def response_history(self, scope: Scope, response_id: str) -> list[dict] | None:
-        if len(response_id) > MAX_ID:
-            return None
+        check_id("response", response_id, "previous_response_id")
         await self._settled(response_id)
         return await self.store.response_history(scope.project_id, response_id, scope.hours)
 

@@ -34,6 +34,7 @@ import orjson
 from aiohttp import web
 
 from llmgw.errors import LlmgwError
+from llmgw.server.gateway.checks import BadInput, load_json
 from llmgw.server.gateway.limits import LimitError
 
 log = logging.getLogger("llmgw.gateway.mcp")
@@ -474,9 +475,9 @@ class McpServer:
         if body is None:
             return _refusal(413, INVALID_REQUEST, f"the body is over {MAX_BODY_BYTES} bytes")
         try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return _refusal(400, PARSE_ERROR, "the body is not JSON")
+            payload = load_json(body)
+        except BadInput as exc:
+            return _refusal(400, PARSE_ERROR, exc.message)
 
         batch = isinstance(payload, list)
         if batch and not payload:

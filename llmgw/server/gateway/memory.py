@@ -16,6 +16,7 @@ from aiohttp import web
 from llmgw import __version__
 from llmgw.errors import LlmgwError
 from llmgw.server.gateway.auth import AuthError
+from llmgw.server.gateway.checks import INT_MAX, BadInput, check_id, load_json
 from llmgw.server.gateway.conversations import NotKept, Scope
 from llmgw.server.gateway.errors import error_response, limit_response
 from llmgw.server.gateway.limits import LimitError
@@ -125,6 +126,7 @@ class Memory:
         return _note(await self._store.create_note(scope.project_id, text, title, self._quota))
 
     async def _get(self, scope: Scope, note_id: str) -> dict:
+        check_id("note", note_id, "note_id")
         n = await self._store.get_note(scope.project_id, note_id, scope.hours)
         if n is None:
             raise _NoteRefused(404, f"there is no note {note_id[:64]!r} here", "note_not_found")
@@ -142,6 +144,7 @@ class Memory:
         title = _text_field(args, "title", False)
         if text is None and title is None:
             raise _NoteRefused(400, "give 'text', 'title' or both: what the note should now say", "missing_field")
+        check_id("note", note_id, "note_id")
         if await self._store.get_note(scope.project_id, note_id, scope.hours) is None:
             raise _NoteRefused(404, f"there is no note {note_id[:64]!r} here", "note_not_found")
         n = await self._store.update_note(scope.project_id, note_id, text=text, title=title, quota=self._quota)
@@ -150,6 +153,7 @@ class Memory:
         return _note(n)
 
     async def _delete(self, scope: Scope, note_id: str) -> dict:
+        check_id("note", note_id, "note_id")
         if await self._store.get_note(scope.project_id, note_id, scope.hours) is None or not (
             await self._store.delete_note(scope.project_id, note_id)
         ):
@@ -185,10 +189,7 @@ class Memory:
         raw = await request.read()
         if len(raw) > MAX_BODY:
             raise _NoteRefused(413, f"a note request is at most {MAX_BODY} bytes", "request_too_large")
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _NoteRefused(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+        body = load_json(raw)
         if not isinstance(body, dict):
             raise _NoteRefused(400, "the request body should be a JSON object", "invalid_request")
         return body
@@ -236,7 +237,7 @@ class Memory:
         async def call(principal: Principal, args: dict) -> Any:
             try:
                 return await run(self._scope_of(principal), args)
-            except _NoteRefused as exc:
+            except (_NoteRefused, BadInput) as exc:
                 raise ToolError(exc.message) from None
             except StoreError as exc:
                 raise ToolError(str(exc)) from None
@@ -320,6 +321,9 @@ def _bounded(v: Any, default: int) -> int:
 def _whole(text: str | None, name: str, default: int) -> int:
     if text is None:
         return default
-    if not text.isdigit():
-        raise _NoteRefused(400, f"'{name}' should be a whole number of 0 or more, not {text[:20]!r}", "invalid_request")
+    # isdigit alone takes "²" and other digits int() refuses; 19 digits may still pass 64 bits.
+    if not (text.isascii() and text.isdigit() and len(text) <= 19 and int(text) <= INT_MAX):
+        raise _NoteRefused(
+            400, f"'{name}' should be a whole number from 0 to {INT_MAX}, not {text[:20]!r}", "invalid_request"
+        )
     return int(text)

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from llmgw.errors import LlmgwError
+from llmgw.server.gateway.checks import INT_MAX, whole
 
 JSON = dict[str, Any]
 
@@ -68,10 +69,10 @@ class MessagesRequest:
 def translate_request(body: object) -> MessagesRequest | MessagesRefusal:
     try:
         chat, system, turn, raw = _translate(body)
-        max_tokens = _whole(raw.get("max_tokens"))
+        max_tokens = whole(raw.get("max_tokens"))
         if max_tokens is None or max_tokens < 1:
             raise _MessagesRefused(
-                "max_tokens is required: a whole number of at least 1, the most tokens the reply may have"
+                f"max_tokens is required: a whole number from 1 to {INT_MAX}, the most tokens the reply may have"
             )
         chat["max_tokens"] = max_tokens
         _options(raw, chat)
@@ -332,7 +333,7 @@ def _options(body: JSON, chat: JSON) -> None:
                 raise _MessagesRefused(f"{name} must be a number")
             chat[name] = value
     if body.get("top_k") is not None:
-        top_k = _whole(body["top_k"])
+        top_k = whole(body["top_k"])
         if top_k is None or top_k < 0:
             raise _MessagesRefused("top_k must be a whole number of at least 0")
         chat["top_k"] = top_k  # not OpenAI's, but llama-server, vLLM and SGLang all read it
@@ -374,16 +375,6 @@ def _tool_choice(raw: object, chat: JSON) -> None:
     chat["tool_choice"] = choice
     if isinstance(raw, dict) and raw.get("disable_parallel_tool_use") is True:
         chat["parallel_tool_calls"] = False
-
-
-def _whole(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
 
 
 # --- replies ----------------------------------------------------------------------------
@@ -675,7 +666,7 @@ def models_page(models: list[dict[str, Any]]) -> bytes:
             "lifecycle": "active",  # required by the SDK's ModelInfo
         }
         for ours, theirs in (("context_length", "max_input_tokens"), ("max_output", "max_tokens")):
-            known = _whole(model.get(ours))
+            known = whole(model.get(ours))
             if known is not None:
                 entry[theirs] = known
         data.append(entry)

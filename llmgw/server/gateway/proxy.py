@@ -33,9 +33,10 @@ from llmgw.server.gateway.admission import (
 )
 from llmgw.server.gateway.agent_apis import AgentApis
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
+from llmgw.server.gateway.checks import BadInput, load_json
 from llmgw.server.gateway.conversations import THREAD_HEADER
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
-from llmgw.server.gateway.errors import error_body, error_response, limit_response
+from llmgw.server.gateway.errors import error_body, error_response, limit_response, refuse_input, speaks_anthropic
 from llmgw.server.gateway.limits import Accountant, Accounting, LimitError, Pricing, Reservation
 from llmgw.server.gateway.request import (
     CHAT,
@@ -56,9 +57,6 @@ from llmgw.store import UsageRow
 log = logging.getLogger("llmgw.gateway")
 
 _perf = time.perf_counter
-
-# Sent by Anthropic's SDKs on every request: GET /v1/models answers them in their shape.
-ANTHROPIC_VERSION = "anthropic-version"
 
 # A request may ask for a lower admission band than its key's, never a higher one.
 BAND_HEADER = "X-Llmgw-Band"
@@ -318,7 +316,7 @@ class Gateway:
         return await self.keys.authenticate_current(header)
 
     async def list_models(self, request: web.Request) -> web.StreamResponse:
-        anthropic = ANTHROPIC_VERSION in request.headers
+        anthropic = speaks_anthropic(request)
         try:
             await self._authenticate(request)
         except AuthError as exc:
@@ -330,7 +328,7 @@ class Gateway:
 
     async def get_model(self, request: web.Request) -> web.StreamResponse:
         """One model by name or alias (the SDKs' models.retrieve), in the listing's form."""
-        anthropic = ANTHROPIC_VERSION in request.headers
+        anthropic = speaks_anthropic(request)
         try:
             await self._authenticate(request)
         except AuthError as exc:
@@ -360,6 +358,12 @@ class Gateway:
     ) -> web.Response:
         self.metrics.count_request(model, route.name, status)
         return error_response(status, message, code, param, anthropic=route.anthropic)
+
+    def refuse_bad_input(self, request: web.Request, route: Route, exc: BadInput) -> web.Response:
+        """Input no route can take (checks.py): counted as the route's other refusals are, and
+        answered and logged as everywhere else (errors.refuse_input)."""
+        self.metrics.count_request("", route.name, exc.status)
+        return refuse_input(request, exc, anthropic=route.anthropic)
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         t0 = _perf()
@@ -393,9 +397,9 @@ class Gateway:
         self, request: web.Request, route: Route, principal: Principal, raw: bytes, t0: float
     ) -> web.StreamResponse:
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return self._refuse(route, "", 400, f"the request body is not valid JSON: {exc}", "invalid_json")
+            body = load_json(raw)
+        except BadInput as exc:
+            return self.refuse_bad_input(request, route, exc)
         return await self.serve_body(request, route, principal, body, raw, t0)
 
     async def serve_body(

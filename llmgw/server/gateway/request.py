@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from llmgw.errors import LlmgwError
+from llmgw.server.gateway.checks import whole
 from llmgw.server.gateway.limits import Reservation
 from llmgw.server.gateway.principal import ANONYMOUS, Principal
 
@@ -203,12 +204,13 @@ def _output_limit(body: dict, cap: int | None, clamp: bool = False) -> tuple[int
         v = body.get(field)
         if v is None:
             continue
-        if isinstance(v, float) and v.is_integer():
-            v = body[field] = int(v)
-            changed = True
-        elif isinstance(v, bool) or not isinstance(v, int):
+        n = whole(v)
+        if n is None:
             shown = orjson.dumps(v).decode()[:40]
             raise _BadField(field, f"'{field}' should be a whole number of tokens, not {shown}")
+        if n is not v:
+            v = body[field] = n  # 200.0 is sent on as 200, so the engine reads what the gateway read
+            changed = True
         if v < 0:
             raise _BadField(field, f"'{field}' is {v}; give a number of tokens of 0 or more, or leave it out")
         if cap is not None and v > cap and clamp:

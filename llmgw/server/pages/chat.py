@@ -39,6 +39,7 @@ from aiohttp import web
 from llmgw.protocol.admin import ReplicaRow
 from llmgw.server.control.reconciler import Reconciler
 from llmgw.server.gateway.auth import person_principal
+from llmgw.server.gateway.checks import BadInput, load_json
 from llmgw.server.gateway.principal import Principal
 from llmgw.server.gateway.proxy import Gateway
 from llmgw.server.gateway.request import CHAT, ServedModel
@@ -77,9 +78,9 @@ async def _posted(request: web.Request, what: str) -> dict[str, Any] | web.Respo
     """The JSON object the page's script posted (/chat/send, /chat/wake), or the 400 saying it sent
     something else: ``what`` names what it should have sent."""
     try:
-        data = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        return _error(400, "the page sent something that is not JSON; reload it")
+        data = load_json(await request.read())
+    except BadInput as exc:
+        return _error(400, f"the page sent something this server cannot read ({exc.message}); reload it")
     if not isinstance(data, dict):
         return _error(400, f"the page sent something that is not {what}; reload it")
     return data
@@ -101,8 +102,9 @@ def read_history(raw: str) -> list[dict[str, Any]] | None:
     if len(raw) > MAX_RENDER_BYTES * 4:
         return None
     try:
-        turns = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        # surrogatepass: a lone surrogate becomes bytes that are not UTF-8, which load_json refuses.
+        turns = load_json(raw.encode("utf-8", "surrogatepass"))
+    except BadInput:
         return None
     if not isinstance(turns, list) or len(turns) >= MAX_MESSAGES:
         return None
@@ -470,9 +472,9 @@ class ChatPage:
         if len(raw) > MAX_RENDER_BYTES:
             return _error(413, "that reply is too long to render; it stays as text")
         try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return _error(400, "the page sent something that is not JSON")
+            data = load_json(raw)
+        except BadInput as exc:
+            return _error(400, f"the page sent something this server cannot read ({exc.message})")
         text = data.get("text") if isinstance(data, dict) else None
         if not isinstance(text, str):
             return _error(400, "nothing to render")
