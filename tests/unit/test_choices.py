@@ -90,12 +90,23 @@ def test_a_number_of_choices_it_cannot_serve_is_refused_naming_the_field(field, 
     assert f"'{field}' is " in got.message and f"from 1 to {MAX_SEQUENCES}" in got.message
 
 
+def test_min_tokens_is_read_as_output_limits_are_and_refused_when_it_cannot_be():
+    assert _read(CHAT, {"model": "m", "messages": MESSAGES, "min_tokens": 600.0}).min_out == 600
+    assert _read(CHAT, {"model": "m", "messages": MESSAGES}).min_out == 0
+    for bad in (-1, 2.5, "600", True):
+        got = read_request(CHAT, {"model": "m", "messages": MESSAGES, "min_tokens": bad}, MODELS)
+        assert isinstance(got, Refusal) and (got.status, got.param) == (400, "min_tokens")
+        assert "give a whole number of tokens of 0 or more" in got.message
+
+
 def test_the_estimate_holds_every_sequence_and_at_least_the_token_ids_given():
     raw = b"x" * 400  # 100 tokens by the bytes
     assert _estimate(raw, 16, M) == (100, 16)
     assert _estimate(raw, 16, M, 50) == (100, 800)
     assert _estimate(raw, None, ServedModel("c", (), None, 32), 4) == (100, 128)
     assert _estimate(raw, 16, M, 1, prompt_ids=1000) == (1000, 16)
+    # No limit given nor set by the model (256 assumed), but vLLM makes at least min_tokens of each.
+    assert _estimate(raw, None, M, 2, min_out=600) == (100, 1200)
 
 
 # ------------------------------------------------------------------ what a whole reply shows

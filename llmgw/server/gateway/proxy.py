@@ -425,7 +425,7 @@ class Gateway:
         accountant, admission = self.accountant, self.admission
         res: Reservation | None = None
         if accountant is not None and (principal.pools or principal.models is not None):
-            estimate = _estimate(raw, call.out_limit, served, call.outputs, call.prompt_ids)
+            estimate = _estimate(raw, call.out_limit, served, call.outputs, call.prompt_ids, call.min_out)
             try:
                 res = call.res = await accountant.admit(principal, served.name, *estimate)
             except LimitError as exc:
@@ -916,14 +916,19 @@ def _prompt_estimate(raw: bytes) -> int:
 
 
 def _estimate(
-    raw: bytes, out_limit: int | None, served: ServedModel, outputs: int = 1, prompt_ids: int = 0
+    raw: bytes,
+    out_limit: int | None,
+    served: ServedModel,
+    outputs: int = 1,
+    prompt_ids: int = 0,
+    min_out: int = 0,
 ) -> tuple[int, int]:
     """(prompt, completion) tokens a request may use, before the engine says: the prompt
     estimate (at least the token ids it gives as such) plus the output limit as read_request
-    read it (else the model's max_output, else _DEFAULT_OUTPUT) for each of the ``outputs``
-    sequences it asks for. Settled to the real count at the end."""
+    read it (else the model's max_output, else _DEFAULT_OUTPUT; at least ``min_out``) for each
+    of the ``outputs`` sequences it asks for. Settled to the real count at the end."""
     out = out_limit if out_limit is not None else (served.max_output or _DEFAULT_OUTPUT)
-    return max(_prompt_estimate(raw), prompt_ids), out * outputs
+    return max(_prompt_estimate(raw), prompt_ids), max(out, min_out) * outputs
 
 
 def _call_prompt(call: Call) -> int:

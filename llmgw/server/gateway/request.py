@@ -93,6 +93,7 @@ class Call:
     outputs: int = 1
     prompts: int = 1  # prompts the engine reads: a completions request may send several
     prompt_ids: int = 0  # token ids given as such (a prompt or input of token arrays): the prompt's floor
+    min_out: int = 0  # vLLM's min_tokens: output each sequence makes at least, whatever the limit's default
     principal: Principal = ANONYMOUS
     raw: bytes = b""
     t0: float = 0.0  # perf_counter when the request arrived
@@ -156,10 +157,11 @@ def read_request(
         except _BadField as exc:
             return Refusal(400, exc.message, exc.code, exc.field, served.name)
     outputs = prompts = 1
-    prompt_ids = 0
+    prompt_ids = min_out = 0
     try:
         if route.streams:
             outputs = _sequences(body)
+            min_out = _min_output(body)
         if route.kind == "completions":
             prompts, prompt_ids = _inputs(body["prompt"])
             outputs *= prompts
@@ -182,8 +184,24 @@ def read_request(
             changed = True
     call = Call(route, served, name, body, changed, stream, client_wants_usage, out_limit)
     call.clamped = clamped
-    call.outputs, call.prompts, call.prompt_ids = outputs, prompts, prompt_ids
+    call.outputs, call.prompts, call.prompt_ids, call.min_out = outputs, prompts, prompt_ids, min_out
     return call
+
+
+def _min_output(body: dict) -> int:
+    """vLLM's min_tokens (0 when not given): the output it makes before it may stop, read as the
+    output limits are; _BadField for anything but a whole number of 0 or more."""
+    v = body.get("min_tokens")
+    if v is None:
+        return 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        shown = orjson.dumps(v).decode()[:40]
+        raise _BadField(
+            "min_tokens", f"'min_tokens' is {shown}; give a whole number of tokens of 0 or more, or leave it out"
+        )
+    return v
 
 
 # The fields that ask an engine for several sequences from one prompt: OpenAI's n, llama.cpp's own
