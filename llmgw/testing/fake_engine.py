@@ -24,6 +24,10 @@ Token accounting is deterministic: ``prompt_tokens`` comes from the input
 text (see :func:`count_text_tokens`), ``completion_tokens`` is the
 configured ``tokens`` unless the request's ``max_tokens`` /
 ``max_completion_tokens`` is smaller (then ``finish_reason`` is ``length``).
+A request asking for ``n`` choices (of each prompt of a completions request)
+gets them all, each that long. Its usage counts every one, as vLLM's does;
+with ``usage="first"`` it counts as llama-server's does: a whole reply carries
+the first choice's usage only, a stream one usage event per choice.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from aiohttp import web
 from llmgw.runtime import run_until_stopped
 
 FLAVOURS = ("llamacpp", "llamacpp-legacy", "vllm")
+# How usage counts a request of several choices: all of them (vLLM, SGLang), or each its own (llama-server).
+USAGE_MODES = ("all", "first")
 FAULT_MODES = ("status", "close", "midstream", "hang", "stall")
 
 # Completion text is built from these; each one counts as one token.
@@ -252,9 +258,13 @@ class FakeEngine:
         kv_capacity_tokens: int = 32768,
         record: bool = True,
         api_key: str | None = None,
+        usage: str = "all",
     ) -> None:
         if metrics not in FLAVOURS:
             raise ValueError(f"metrics must be one of {FLAVOURS}, not {metrics!r}")
+        if usage not in USAGE_MODES:
+            raise ValueError(f"usage must be one of {USAGE_MODES}, not {usage!r}")
+        self.usage = usage
         self.host = host
         self.port = port
         self.model = model
@@ -504,30 +514,33 @@ class FakeEngine:
         body: dict,
         prompt_tokens: int,
         kind: str,
+        prompts: int = 1,
     ) -> web.StreamResponse:
-        """Shared path of chat and legacy completions (kind ``chat``/``text``)."""
+        """Shared path of chat and legacy completions (kind ``chat``/``text``); ``prompts`` is how
+        many a completions request sent (each gets its choices)."""
         fault, early = await self._gate(request, body)
         if early is not None:
             return early
         n, finish = self._n_completion(body)
+        seqs = _choices(body) * prompts
         stream = bool(body.get("stream"))
         t0 = time.perf_counter()
         await self._acquire()
         self.processing += 1
-        self.kv_tokens += prompt_tokens + n
+        self.kv_tokens += prompt_tokens + n * seqs
         try:
             if fault is not None and fault.mode == "hang":
                 return await self._hang(request)  # counted as processing, like a stuck engine
             if self.ttft_ms:
                 await asyncio.sleep(self.ttft_ms / 1000)
             if stream:
-                return await self._stream(request, body, prompt_tokens, n, finish, kind, fault, t0)
+                return await self._stream(request, body, prompt_tokens, n, finish, kind, fault, t0, seqs)
             if self.token_ms and n:
                 await asyncio.sleep(self.token_ms * n / 1000)
-            self.tokens_generated += n
-            self._account(prompt_tokens, n, finish, t0, None)
+            self.tokens_generated += n * seqs
+            self._account(prompt_tokens, n * seqs, finish, t0, None)
             created = int(time.time())
-            usage = self._usage(prompt_tokens, n)
+            usage = self._usage(prompt_tokens, n if self.usage == "first" else n * seqs)
             if kind == "chat":
                 payload = {
                     "id": self._new_id("chatcmpl"),
@@ -537,11 +550,12 @@ class FakeEngine:
                     "system_fingerprint": "fake",
                     "choices": [
                         {
-                            "index": 0,
+                            "index": i,
                             "message": {"role": "assistant", "content": self._text(n)},
                             "logprobs": None,
                             "finish_reason": finish,
                         }
+                        for i in range(seqs)
                     ],
                     "usage": usage,
                 }
@@ -552,13 +566,16 @@ class FakeEngine:
                     "created": created,
                     "model": self.model,
                     "system_fingerprint": "fake",
-                    "choices": [{"index": 0, "text": self._text(n), "logprobs": None, "finish_reason": finish}],
+                    "choices": [
+                        {"index": i, "text": self._text(n), "logprobs": None, "finish_reason": finish}
+                        for i in range(seqs)
+                    ],
                     "usage": usage,
                 }
             return web.Response(body=orjson.dumps(payload), content_type=_JSON)
         finally:
             self.processing -= 1
-            self.kv_tokens -= prompt_tokens + n
+            self.kv_tokens -= prompt_tokens + n * seqs
             self._release()
 
     async def _stream(
@@ -571,6 +588,7 @@ class FakeEngine:
         kind: str,
         fault: Fault | None,
         t0: float,
+        seqs: int = 1,
     ) -> web.StreamResponse:
         opts = body.get("stream_options")
         include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
@@ -591,35 +609,31 @@ class FakeEngine:
             + created
             + b',"model":'
             + model
-            + b',"system_fingerprint":"fake","choices":[{"index":0,'
+            + b',"system_fingerprint":"fake","choices":[{"index":'
         )
+        # Each choice's events differ only in their index (interleaved, as an engine's batch makes them).
+        heads = [head + str(k).encode() + b"," for k in range(seqs)]
         # OpenAI sends "usage": null on every chunk when include_usage is set.
         usage_null = b',"usage":null' if include_usage else b""
         tail = b',"logprobs":null,"finish_reason":null}]' + usage_null + b"}\n\n"
 
         def chunk(i: int) -> bytes:
             if kind == "chat":
-                return head + b'"delta":' + pieces[i % len(pieces)] + tail
-            return head + b'"text":' + pieces[i % len(pieces)] + tail
+                return b"".join(h + b'"delta":' + pieces[i % len(pieces)] + tail for h in heads)
+            return b"".join(h + b'"text":' + pieces[i % len(pieces)] + tail for h in heads)
 
+        ending = b'"logprobs":null,"finish_reason":"' + finish.encode() + b'"}]' + usage_null + b"}\n\n"
         if kind == "chat":
-            first = head + b'"delta":{"role":"assistant","content":""}' + tail
-            last = (
-                head
-                + b'"delta":{},"logprobs":null,"finish_reason":"'
-                + finish.encode()
-                + b'"}]'
-                + usage_null
-                + b"}\n\n"
-            )
+            first = b"".join(h + b'"delta":{"role":"assistant","content":""}' + tail for h in heads)
+            last = b"".join(h + b'"delta":{},' + ending for h in heads)
         else:
             first = b""
-            last = (
-                head + b'"text":"","logprobs":null,"finish_reason":"' + finish.encode() + b'"}]' + usage_null + b"}\n\n"
-            )
+            last = b"".join(h + b'"text":"",' + ending for h in heads)
         end = b""
         if include_usage:
-            end = (
+            # llama-server sends one usage event per choice, each counting its own; vLLM one for all.
+            counts = [n] * seqs if self.usage == "first" else [n * seqs]
+            end = b"".join(
                 b'data: {"id":"'
                 + rid
                 + b'","object":"'
@@ -629,8 +643,9 @@ class FakeEngine:
                 + b',"model":'
                 + model
                 + b',"system_fingerprint":"fake","choices":[],"usage":'
-                + orjson.dumps(self._usage(prompt_tokens, n))
+                + orjson.dumps(self._usage(prompt_tokens, c))
                 + b"}\n\n"
+                for c in counts
             )
         end += _DONE
 
@@ -642,7 +657,7 @@ class FakeEngine:
             if not self.token_ms and drop_at is None:
                 # No pacing: one write for the whole stream.
                 t_first = time.perf_counter()
-                self.tokens_generated += n
+                self.tokens_generated += n * seqs
                 await resp.write(first + b"".join(chunk(i) for i in range(n)) + last + end)
             else:
                 if first:
@@ -652,7 +667,7 @@ class FakeEngine:
                         break
                     if i and self.token_ms:
                         await asyncio.sleep(self.token_ms / 1000)
-                    self.tokens_generated += 1
+                    self.tokens_generated += seqs
                     await resp.write(chunk(i))
                     if t_first is None:
                         t_first = time.perf_counter()
@@ -671,7 +686,7 @@ class FakeEngine:
         except asyncio.CancelledError:
             self.finished["abort"] += 1
             raise
-        self._account(prompt_tokens, n, finish, t0, t_first)
+        self._account(prompt_tokens, n * seqs, finish, t0, t_first)
         return resp
 
     # ------------------------------------------------------------ routes
@@ -750,7 +765,7 @@ class FakeEngine:
         items = _inputs(body.get("prompt"))
         if not items:
             return self._error(400, "'prompt' must be a string or an array")
-        return await self._generate(request, body, sum(_item_tokens(i) for i in items), "text")
+        return await self._generate(request, body, sum(_item_tokens(i) for i in items), "text", len(items))
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         body, err = await self._read(request)
@@ -953,6 +968,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slots", type=int, default=0, help="concurrent requests before queueing (0: unlimited)")
     ap.add_argument("--embedding-dim", type=int, default=64)
     ap.add_argument("--api-key", default=None, help="require this bearer key on every route but /health")
+    ap.add_argument(
+        "--usage",
+        choices=USAGE_MODES,
+        default="all",
+        help="what usage counts of several choices: all (vLLM) or each its own (llama-server)",
+    )
     return ap
 
 
@@ -969,10 +990,17 @@ async def _serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
         embedding_dim=args.embedding_dim,
         record=False,
         api_key=args.api_key,
+        usage=args.usage,
     )
     async with fe:
         print(fe.url, flush=True)
         await stop.wait()
+
+
+def _choices(body: dict) -> int:
+    """The choices a request asks for of each prompt: n (llama.cpp's n_cmpl first), else one."""
+    n = body.get("n_cmpl", body.get("n"))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
 def _forced_tool_call(body: dict) -> dict | None:

@@ -193,8 +193,10 @@ async def test_completions_plain_and_stream(fe, http):
     async with http.post(fe.url + "/v1/completions", json={"prompt": ["abcd", "abcdefgh"], "max_tokens": 3}) as r:
         body = await r.json()
     assert body["object"] == "text_completion"
-    assert body["choices"][0]["text"] == " lorem ipsum dolor"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    # One choice for each prompt, as engines answer a list of prompts; usage counts both.
+    assert [c["text"] for c in body["choices"]] == [" lorem ipsum dolor"] * 2
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
 
     req = {"prompt": [1, 2, 3, 4], "stream": True, "stream_options": {"include_usage": True}}
     async with http.post(fe.url + "/v1/completions", json=req) as r:
@@ -434,3 +436,24 @@ async def test_cli_prints_url_and_serves(http):
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_n_choices_are_each_generated_in_full_and_counted_as_vllm_or_llama_server_counts_them(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 4}
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with FakeEngine(tokens=8) as vllm, FakeEngine(tokens=8, usage="first") as llama:
+        for fe, whole_usage, stream_usages in ((vllm, 12, [12]), (llama, 3, [3, 3, 3, 3])):
+            async with http.post(fe.url + "/v1/chat/completions", json=body) as r:
+                got = await r.json()
+            assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+            assert all(c["message"]["content"] == " lorem ipsum dolor" for c in got["choices"])
+            assert got["usage"]["completion_tokens"] == whole_usage
+            async with http.post(fe.url + "/v1/chat/completions", json=stream) as r:
+                chunks = [orjson.loads(e) for e in sse_events(await r.read())[:-1]]
+            texts: dict[int, str] = {}
+            for c in chunks:
+                for ch in c["choices"]:
+                    texts[ch["index"]] = texts.get(ch["index"], "") + (ch["delta"].get("content") or "")
+            assert texts == dict.fromkeys(range(4), " lorem ipsum dolor")
+            assert [c["usage"]["completion_tokens"] for c in chunks if c.get("usage")] == stream_usages
+            assert fe.tokens_generated == 24  # what a gateway should charge, either way

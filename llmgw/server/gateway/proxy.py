@@ -34,6 +34,7 @@ from llmgw.server.gateway.admission import (
 from llmgw.server.gateway.agent_apis import AgentApis
 from llmgw.server.gateway.auth import ANONYMOUS, AuthError, KeyCache, Principal
 from llmgw.server.gateway.checks import BadInput, load_json
+from llmgw.server.gateway.choices import USAGE_PER_SEQUENCE, choices_output, recounts
 from llmgw.server.gateway.conversations import THREAD_HEADER
 from llmgw.server.gateway.endpoints import Endpoint, EndpointSet
 from llmgw.server.gateway.errors import error_body, error_response, limit_response, refuse_input, speaks_anthropic
@@ -430,7 +431,7 @@ class Gateway:
         accountant, admission = self.accountant, self.admission
         res: Reservation | None = None
         if accountant is not None and (principal.pools or principal.models is not None):
-            estimate = _estimate(raw, call.out_limit, served)
+            estimate = _estimate(raw, call.out_limit, served, call.outputs, call.prompt_ids, call.min_out)
             try:
                 res = call.res = await accountant.admit(principal, served.name, *estimate)
             except LimitError as exc:
@@ -588,7 +589,7 @@ class Gateway:
                     # Nothing reached the client, but the engine read the prompt: that much is
                     # charged, so leaving early is no way round a tokens-per-minute limit.
                     self.metrics.count_request(served.name, route.name, 499)
-                    self._record(call, ep, _prompt_estimate(call.raw), 0, _perf() - call.t0, None, 499)
+                    self._record(call, ep, _call_prompt(call), 0, _perf() - call.t0, None, 499)
                 raise
             finally:
                 ep.inflight -= 1
@@ -649,6 +650,11 @@ class Gateway:
                 usage = obj.get("usage")
                 if isinstance(usage, dict):
                     prompt, completion = _tokens(usage)
+                if recounts(ep.engine, call.outputs):
+                    # Its engine may have counted one choice of several (llama.cpp): each is charged.
+                    completion = max(completion, choices_output(obj, call.out_limit))
+                    if call.prompts > 1:
+                        prompt = max(prompt, _call_prompt(call))
                 engine_name = obj.get("model")
                 if reply is not None:
                     translated = reply.whole(obj)
@@ -728,6 +734,10 @@ class Gateway:
         prompt = completion = 0
         counted = False  # the engine's usage event arrived
         seen = 0  # else: output tokens counted in the events that passed (_OUTPUT_FIELDS_SEEN)
+        # Several sequences from an engine whose usage may count one of them (choices.py): the events
+        # are counted all the way, and its usage events summed where it sends one per sequence.
+        recount = recounts(ep.engine, call.outputs)
+        sums = recount and ep.engine in USAGE_PER_SEQUENCE
         patterns: tuple[tuple[bytes, bytes], ...] | None = None
         # The name the client asked for goes into every event's "model", by a bytes replacement of
         # the upstream's value (learned from the first event that has one): no event is decoded.
@@ -762,14 +772,14 @@ class Gateway:
                             continue
                         cut += 2
                         out, pending = data[:cut], data[cut:]
-                        if not counted:
+                        if recount or not counted:
                             if patterns is None:
                                 patterns = _OUTPUT_FIELDS_SEEN[call.route.kind, b'": "' in out]
                             seen += _count_output(out, patterns)
-                        translated, usage = _translate_events(out, reply)
-                        if usage is not None:
+                        translated, usages = _translate_events(out, reply)
+                        for usage in usages:
                             usage_seen = usage
-                            prompt, completion = _tokens(usage)
+                            prompt, completion = _add_usage(usage, prompt, completion, sums and counted)
                             counted = True
                         if translated:
                             if ttft is None:
@@ -786,15 +796,15 @@ class Gateway:
                         continue
                     cut += 2
                     out, pending = data[:cut], data[cut:]
-                    usage = None
+                    fresh = False  # this run of events carried a usage object
                     if _has_usage(out):
-                        out, usage = _take_usage(out, strip=strip_usage)
-                        if usage is not None:
-                            prompt, completion = _tokens(usage)
-                            counted = True
+                        out, usages = _take_usage(out, strip=strip_usage)
+                        for usage in usages:
+                            prompt, completion = _add_usage(usage, prompt, completion, sums and counted)
+                            counted = fresh = True
                         if not out:
                             continue
-                    if usage is None and not counted:
+                    if recount or not (fresh or counted):
                         if patterns is None:
                             patterns = _OUTPUT_FIELDS_SEEN[call.route.kind, b'": "' in out]
                         seen += _count_output(out, patterns)
@@ -856,7 +866,12 @@ class Gateway:
             # Cut before the engine's usage event: charge the output that passed (none, when
             # nothing reached the client yet), and the prompt as estimated at admission, which
             # the engine read either way (its own prompt count comes only with its usage event).
-            prompt, completion = _prompt_estimate(call.raw), seen
+            prompt, completion = _call_prompt(call), seen
+        elif recount:
+            # Every sequence that passed is charged, whatever the engine's usage counted.
+            completion = max(completion, seen)
+            if call.prompts > 1:
+                prompt = max(prompt, _call_prompt(call))
         elapsed = _perf() - t0
         self.metrics.overhead.observe(own)
         self.metrics.count_request(served.name, call.route.name, status)
@@ -916,12 +931,25 @@ def _prompt_estimate(raw: bytes) -> int:
     return len(raw) // 4
 
 
-def _estimate(raw: bytes, out_limit: int | None, served: ServedModel) -> tuple[int, int]:
+def _estimate(
+    raw: bytes,
+    out_limit: int | None,
+    served: ServedModel,
+    outputs: int = 1,
+    prompt_ids: int = 0,
+    min_out: int = 0,
+) -> tuple[int, int]:
     """(prompt, completion) tokens a request may use, before the engine says: the prompt
-    estimate plus the output limit as read_request read it (else the model's max_output,
-    else _DEFAULT_OUTPUT). Settled to the real count at the end."""
+    estimate (at least the token ids it gives as such) plus the output limit as read_request
+    read it (else the model's max_output, else _DEFAULT_OUTPUT; at least ``min_out``) for each
+    of the ``outputs`` sequences it asks for. Settled to the real count at the end."""
     out = out_limit if out_limit is not None else (served.max_output or _DEFAULT_OUTPUT)
-    return _prompt_estimate(raw), out
+    return max(_prompt_estimate(raw), prompt_ids), max(out, min_out) * outputs
+
+
+def _call_prompt(call: Call) -> int:
+    """A request's prompt tokens as estimated at admission: what it is charged when the engine never says."""
+    return max(_prompt_estimate(call.raw), call.prompt_ids)
 
 
 def _timing(own: float, upstream: float) -> str:
@@ -968,13 +996,24 @@ def _model_field(block: bytes) -> bytes | None:
     return b"" if b"\\" in field else field
 
 
-def _take_usage(block: bytes, strip: bool) -> tuple[bytes, dict | None]:
-    """Find the usage in a run of complete SSE events; drop the usage-only event when asked.
+def _add_usage(usage: dict, prompt: int, completion: int, add: bool) -> tuple[int, int]:
+    """(prompt, completion) after a usage event: its own numbers (each event of most engines counts
+    the whole request so far), or with ``add`` the output added to what earlier events counted (an
+    engine that sends one event per sequence, each counting its own; they share one prompt)."""
+    p, c = _tokens(usage)
+    if add:
+        return max(prompt, p), completion + c
+    return p, c
+
+
+def _take_usage(block: bytes, strip: bool) -> tuple[bytes, list[dict]]:
+    """Find the usage objects in a run of complete SSE events, in order; drop the usage-only
+    events when asked.
 
     Only events that carry a usage object are decoded; the rest are passed on
     byte for byte.
     """
-    usage = None
+    usages: list[dict] = []
     kept: list[bytes] = []
     dropped = False
     for event in block.split(b"\n\n"):
@@ -986,21 +1025,21 @@ def _take_usage(block: bytes, strip: bool) -> tuple[bytes, dict | None]:
             except orjson.JSONDecodeError:
                 obj = None
             if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-                usage = obj["usage"]
+                usages.append(obj["usage"])
                 if strip and not obj.get("choices"):
                     dropped = True
                     continue
         kept.append(event)
     if not dropped:
-        return block, usage
-    return b"".join(e + b"\n\n" for e in kept), usage
+        return block, usages
+    return b"".join(e + b"\n\n" for e in kept), usages
 
 
-def _translate_events(block: bytes, reply: Any) -> tuple[bytes, dict | None]:
+def _translate_events(block: bytes, reply: Any) -> tuple[bytes, list[dict]]:
     """A run of complete SSE events from the engine, written by a translated route's reply;
-    with the usage object when one of them carries it."""
+    with the usage objects they carry, in order."""
     out: list[bytes] = []
-    usage = None
+    usages: list[dict] = []
     for event in block.split(b"\n\n"):
         if not event.startswith(b"data:"):
             continue
@@ -1014,9 +1053,9 @@ def _translate_events(block: bytes, reply: Any) -> tuple[bytes, dict | None]:
         if not isinstance(chunk, dict):
             continue
         if isinstance(chunk.get("usage"), dict):
-            usage = chunk["usage"]
+            usages.append(chunk["usage"])
         out.append(reply.event(chunk))
-    return b"".join(out), usage
+    return b"".join(out), usages
 
 
 def _engine_message(data: bytes, status: int) -> str:

@@ -89,6 +89,12 @@ class Call:
     stream: bool
     client_wants_usage: bool  # else the usage event the engine is asked for is stripped
     out_limit: int | None  # the output limit the client gave, as _output_limit read it
+    # Sequences the engine generates, each up to out_limit: choices per prompt (n, n_cmpl, best_of)
+    # times the prompts of a completions request. What the estimate and the settlement multiply.
+    outputs: int = 1
+    prompts: int = 1  # prompts the engine reads: a completions request may send several
+    prompt_ids: int = 0  # token ids given as such (a prompt or input of token arrays): the prompt's floor
+    min_out: int = 0  # vLLM's min_tokens: output each sequence makes at least, whatever the limit's default
     principal: Principal = ANONYMOUS
     raw: bytes = b""
     t0: float = 0.0  # perf_counter when the request arrived
@@ -151,6 +157,19 @@ def read_request(
             out_limit, changed, clamped = _output_limit(body, cap, route.clamps)
         except _BadField as exc:
             return Refusal(400, exc.message, exc.code, exc.field, served.name)
+    outputs = prompts = 1
+    prompt_ids = min_out = 0
+    try:
+        if route.streams:
+            outputs = _sequences(body)
+            min_out = _min_output(body)
+        if route.kind == "completions":
+            prompts, prompt_ids = _inputs(body["prompt"])
+            outputs *= prompts
+        elif route.kind == "embeddings":
+            prompt_ids = _inputs(body["input"])[1]
+    except _BadField as exc:
+        return Refusal(400, exc.message, exc.code, exc.field, served.name)
     client_wants_usage = True
     if stream:
         opts = body.get("stream_options")
@@ -166,7 +185,66 @@ def read_request(
             changed = True
     call = Call(route, served, name, body, changed, stream, client_wants_usage, out_limit)
     call.clamped = clamped
+    call.outputs, call.prompts, call.prompt_ids, call.min_out = outputs, prompts, prompt_ids, min_out
     return call
+
+
+def _min_output(body: dict) -> int:
+    """vLLM's min_tokens (0 when not given): the output it makes before it may stop, read as the
+    output limits are; _BadField for anything but a whole number of 0 or more."""
+    v = body.get("min_tokens")
+    if v is None:
+        return 0
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        shown = orjson.dumps(v).decode()[:40]
+        raise _BadField(
+            "min_tokens", f"'min_tokens' is {shown}; give a whole number of tokens of 0 or more, or leave it out"
+        )
+    return v
+
+
+# The fields that ask an engine for several sequences from one prompt: OpenAI's n, llama.cpp's own
+# name for it (which llama.cpp prefers to n), and best_of (sequences generated server-side, of which
+# n are returned: vLLM's completions, and its beam search's width). The engine generates the largest.
+_SEQUENCE_FIELDS = ("n", "n_cmpl", "best_of")
+
+# The most sequences one request may ask for: OpenAI's own limit on n. A request's estimate is what
+# a budget may be overspent by; without a ceiling a client would choose that overspend.
+MAX_SEQUENCES = 128
+
+
+def _sequences(body: dict) -> int:
+    """How many sequences a generating request asks for (the largest of _SEQUENCE_FIELDS, 1 when
+    none is given); _BadField for a value that is not a whole number from 1 to MAX_SEQUENCES."""
+    largest = 1
+    for field in _SEQUENCE_FIELDS:
+        v = body.get(field)
+        if v is None:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)  # as the engines read it (JSON has one number type)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEQUENCES:
+            shown = orjson.dumps(v).decode()[:40]
+            raise _BadField(
+                field,
+                f"'{field}' is {shown}; give a whole number of choices from 1 to {MAX_SEQUENCES}, "
+                "or leave it out for one (each choice is generated, and charged, in full)",
+            )
+        largest = max(largest, v)
+    return largest
+
+
+def _inputs(value: object) -> tuple[int, int]:
+    """(prompts, token ids) in a completions prompt or an embeddings input: a string or a list of
+    token ids is one; a list of strings or of token-id lists is one each. Engines refuse other shapes
+    themselves; whatever they are, the request's bytes still estimate them."""
+    if not isinstance(value, list) or not value:
+        return 1, 0
+    if all(isinstance(x, int) for x in value):
+        return 1, len(value)
+    return len(value), sum(len(x) for x in value if isinstance(x, list))
 
 
 # What a request asks an engine to generate at most, by every name engines read it under:
