@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import tempfile
+from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from cryptography import x509
 
+from llmgw.pki import init_ca, issue_client, load_cert
 from llmgw.protocol import (
     PROTOCOL_VERSION,
     STREAM_PATH,
@@ -251,7 +256,16 @@ async def test_losing_leadership_closes_streams():
     await server.close()
 
 
-@pytest.mark.parametrize("env", [{"identity": lambda req: "node-b"}], indirect=True)
+@functools.cache
+def _node_cert(node_id: str) -> x509.Certificate:
+    """A node's certificate as `ctl cert issue-client` makes it, from an authority made once."""
+    d = Path(tempfile.mkdtemp(prefix="llmgw-ca-"))
+    init_ca(d)
+    issued = issue_client(d, d, node_id, admin_names={"admin"})
+    return load_cert(issued.cert)
+
+
+@pytest.mark.parametrize("env", [{"identity": lambda req: _node_cert("node-b")}], indirect=True)
 async def test_a_certificate_naming_another_node_is_refused_naming_both(env):
     svc, server, http = env
     ws = await connect(server, http, reg("node-a"))
@@ -263,7 +277,7 @@ async def test_a_certificate_naming_another_node_is_refused_naming_both(env):
     assert svc.get("node-a") is None and svc.nodes() == []
 
 
-@pytest.mark.parametrize("env", [{"identity": lambda req: "n1"}], indirect=True)
+@pytest.mark.parametrize("env", [{"identity": lambda req: _node_cert("n1")}], indirect=True)
 async def test_a_matching_certificate_is_accepted(env):
     svc, server, http = env
     ws = await connect(server, http, reg("n1"))
