@@ -34,7 +34,7 @@ from llmgw.server.gateway.errors import error_body, error_response, limit_respon
 from llmgw.server.gateway.limits import LimitError, Reservation
 from llmgw.server.gateway.memory import Memory
 from llmgw.server.gateway.principal import Principal
-from llmgw.server.gateway.request import CHAT, MESSAGES, RESPONSES, Route
+from llmgw.server.gateway.request import CHAT, MESSAGES, RESPONSES, Route, prompt_estimate
 
 if TYPE_CHECKING:
     from llmgw.server.gateway.proxy import Gateway
@@ -47,10 +47,6 @@ OnTurn = Callable[[list[dict]], None]
 
 # Said in a reply whose token count is the gateway's estimate because no engine could count it.
 TOKENS_ESTIMATED_HEADER = "X-Llmgw-Tokens-Estimated"
-
-
-def _prompt_estimate(raw: bytes) -> int:
-    return len(raw) // 4
 
 
 class _Reply:
@@ -281,6 +277,18 @@ class AgentApis:
         except LimitError as exc:
             return limit_response(exc, anthropic=route.anthropic)
 
+    async def _admitted_thread(
+        self, request: web.Request, route: Route, principal: Principal, model: object
+    ) -> tuple[Scope, str, list[dict]] | web.Response | None:
+        """The thread a request continues (its header), read only once the key's limits admit it."""
+        pre = await self._before_reads(route, principal, model) if THREAD_HEADER in request.headers else None
+        if isinstance(pre, web.Response):
+            return pre
+        try:
+            return await self._thread(request, route, principal)
+        finally:
+            self._after_reads(pre)
+
     async def _full(self, route: Route, scope: Scope, new_item: bool) -> web.Response | None:
         """A refusal when the turn this request would keep has no room in its project's quota."""
         assert self.conversations is not None
@@ -346,7 +354,7 @@ class AgentApis:
         if thread is not None:
             out.headers[THREAD_HEADER] = thread[1]
         raw = orjson.dumps(req.chat)
-        return await self.gateway.serve_body(request, route, principal, req.chat, raw, t0, out, _prompt_estimate(raw))
+        return await self.gateway.serve_body(request, route, principal, req.chat, raw, t0, out, prompt_estimate(raw))
 
     async def _response_context(
         self, request: web.Request, route: Route, principal: Principal, req: responses_api.ResponsesRequest
@@ -399,13 +407,7 @@ class AgentApis:
         req = messages_api.translate_request(body)
         if isinstance(req, messages_api.MessagesRefusal):
             return self._refuse(route, req.status, req.message, "invalid_request")
-        pre = await self._before_reads(route, principal, req.model) if THREAD_HEADER in request.headers else None
-        if isinstance(pre, web.Response):
-            return pre
-        try:
-            thread = await self._thread(request, route, principal)
-        finally:
-            self._after_reads(pre)
+        thread = await self._admitted_thread(request, route, principal, req.model)
         if isinstance(thread, web.Response):
             return thread
         out = MessagesReply(req, None)
@@ -417,7 +419,7 @@ class AgentApis:
             out = MessagesReply(req, self._thread_turn(thread[0], thread[1], req.turn, req.model))
             out.headers[THREAD_HEADER] = thread[1]
         raw = orjson.dumps(req.chat)
-        return await self.gateway.serve_body(request, route, principal, req.chat, raw, t0, out, _prompt_estimate(raw))
+        return await self.gateway.serve_body(request, route, principal, req.chat, raw, t0, out, prompt_estimate(raw))
 
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
         """The prompt's tokens as the model's own engine counts them (its chat template and
@@ -453,7 +455,7 @@ class AgentApis:
                 body=messages_api.count_response(counted), content_type="application/json", headers=headers or None
             )
         return web.Response(
-            body=messages_api.count_response(_prompt_estimate(orjson.dumps(chat["messages"]))),
+            body=messages_api.count_response(prompt_estimate(orjson.dumps(chat["messages"]))),
             content_type="application/json",
             headers={**headers, TOKENS_ESTIMATED_HEADER: "true"},
         )
@@ -506,13 +508,7 @@ class AgentApis:
         principal, _, body = got
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return self._refuse(route, 400, "'messages' should be a non-empty list of messages", "invalid_request")
-        pre = await self._before_reads(route, principal, body.get("model"))
-        if isinstance(pre, web.Response):
-            return pre
-        try:
-            thread = await self._thread(request, route, principal)
-        finally:
-            self._after_reads(pre)
+        thread = await self._admitted_thread(request, route, principal, body.get("model"))
         if isinstance(thread, web.Response):
             return thread
         assert thread is not None  # this route is taken only with the header

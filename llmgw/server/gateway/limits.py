@@ -169,7 +169,10 @@ class Pricing:
         """Whether a budget can bind at all (the quotas page warns when not)."""
         return self._default is not None or any(p or c for p, c in self._table.values())
 
-    def cost_micros(self, model: str, prompt_tokens: int, completion_tokens: int) -> int:
+    def cost_micros(self, model: str | None, prompt_tokens: int, completion_tokens: int) -> int:
+        """What tokens of a model cost; a request that called no model (None) costs nothing."""
+        if model is None:
+            return 0
         p = self.price(model)
         if p is None:
             return 0
@@ -819,16 +822,9 @@ class Accountant:
         if diff:
             for w, sec, _ in reservation.tpm_taken:
                 w.adjust(sec, now, float(diff))
-        model = reservation.model
-        cost = self.pricing.cost_micros(model, prompt_tokens, completion_tokens) if model is not None else 0
+        cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
         if cost:
-            per = self._current_periods()
-            spends = self._spend
-            for pool in reservation.pools:
-                s = spends.get(pool.key)
-                if s is None:
-                    s = spends[pool.key] = _Spend()
-                s.add(cost, per.day_key, per.month_key)
+            self._spend_on(reservation.pools, cost)
         reservation.cost_micros = cost
         return cost
 
@@ -852,14 +848,17 @@ class Accountant:
         self._release(reservation)
         cost = reservation.held_micros
         if cost:
-            per = self._current_periods()
-            spends = self._spend
-            for pool in reservation.pools:
-                s = spends.get(pool.key)
-                if s is None:
-                    s = spends[pool.key] = _Spend()
-                s.add(cost, per.day_key, per.month_key)
+            self._spend_on(reservation.pools, cost)
         reservation.cost_micros = cost
+
+    def _spend_on(self, pools: tuple[Pool, ...], cost: int) -> None:
+        per = self._current_periods()
+        spends = self._spend
+        for pool in pools:
+            s = spends.get(pool.key)
+            if s is None:
+                s = spends[pool.key] = _Spend()
+            s.add(cost, per.day_key, per.month_key)
 
     def _release(self, reservation: Reservation) -> None:
         amount = reservation.held_micros

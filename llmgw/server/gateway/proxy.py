@@ -48,6 +48,7 @@ from llmgw.server.gateway.request import (
     Refusal,
     Route,
     ServedModel,
+    prompt_estimate,
     read_request,
 )
 from llmgw.server.gateway.routing import RouterCollector
@@ -926,11 +927,6 @@ class Gateway:
 _DEFAULT_OUTPUT = 256
 
 
-def _prompt_estimate(raw: bytes) -> int:
-    """Prompt tokens before the engine says: about four bytes of request JSON a token."""
-    return len(raw) // 4
-
-
 def _estimate(
     raw: bytes,
     out_limit: int | None,
@@ -944,12 +940,12 @@ def _estimate(
     read it (else the model's max_output, else _DEFAULT_OUTPUT; at least ``min_out``) for each
     of the ``outputs`` sequences it asks for. Settled to the real count at the end."""
     out = out_limit if out_limit is not None else (served.max_output or _DEFAULT_OUTPUT)
-    return max(_prompt_estimate(raw), prompt_ids), max(out, min_out) * outputs
+    return max(prompt_estimate(raw), prompt_ids), max(out, min_out) * outputs
 
 
 def _call_prompt(call: Call) -> int:
     """A request's prompt tokens as estimated at admission: what it is charged when the engine never says."""
-    return max(_prompt_estimate(call.raw), call.prompt_ids)
+    return max(prompt_estimate(call.raw), call.prompt_ids)
 
 
 def _timing(own: float, upstream: float) -> str:

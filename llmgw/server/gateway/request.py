@@ -103,6 +103,11 @@ class Call:
     reply: Any = None  # a translated route's Reply (agent_apis.py): how the engine's answer is written back
 
 
+def prompt_estimate(raw: bytes) -> int:
+    """Prompt tokens before the engine says: about four bytes of request JSON a token."""
+    return len(raw) // 4
+
+
 def read_request(
     route: Route, body: object, models: Mapping[str, ServedModel], prompt_estimate: int | None = None
 ) -> Call | Refusal:

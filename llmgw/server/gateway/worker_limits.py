@@ -308,8 +308,7 @@ class WorkerAccountant(_Frames):
         reservation.done = True
         assert isinstance(reservation, RemoteReservation)
         self.send(["s", reservation.rid, max(prompt_tokens, 0), max(completion_tokens, 0)])
-        model = reservation.model
-        cost = self.pricing.cost_micros(model, prompt_tokens, completion_tokens) if model is not None else 0
+        cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
         reservation.cost_micros = cost
         return cost
 
