@@ -51,6 +51,10 @@ log = logging.getLogger("llmgw.gateway.worker_limits")
 _LEN = struct.Struct(">I")
 MAX_MESSAGE = 1 << 20  # one message at most: a principal's pools are a few hundred bytes
 MAX_POOL_SETS = 100_000  # pools numbered by one worker before both sides start the numbering again
+# How long a settlement or cancellation may wait to leave with the next admission: one wake of the
+# server a request instead of two when requests come one at a time. Waiting only keeps the estimate
+# held a moment longer, which errs on the safe side.
+SETTLE_DELAY_S = 0.005
 
 
 class _Frames(asyncio.Protocol):
@@ -62,6 +66,7 @@ class _Frames(asyncio.Protocol):
         self._buf = bytearray()
         self._out: list[bytes] = []
         self._flush: asyncio.Handle | None = None
+        self._flush_soon = False  # the write queued is this turn's, not a delayed one
         self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -97,13 +102,20 @@ class _Frames(asyncio.Protocol):
     def received(self, msg: Any) -> None:
         raise NotImplementedError
 
-    def send(self, msg: list[Any]) -> None:
+    def send(self, msg: list[Any], *, soon: bool = True) -> None:
+        """Queue a message: it leaves at the end of this turn of the loop, or with ``soon`` false
+        within SETTLE_DELAY_S (sooner with the next message that cannot wait)."""
         if self.transport is None or self.transport.is_closing():
             return
         data = orjson.dumps(msg)
         self._out.append(_LEN.pack(len(data)) + data)
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_soon(self._write)
+        flush = self._flush
+        if flush is None or (soon and not self._flush_soon):
+            if flush is not None:
+                flush.cancel()  # a delayed write, brought forward
+            loop = asyncio.get_running_loop()
+            self._flush = loop.call_soon(self._write) if soon else loop.call_later(SETTLE_DELAY_S, self._write)
+            self._flush_soon = soon
 
     def _write(self) -> None:
         self._flush = None
@@ -307,7 +319,7 @@ class WorkerAccountant(_Frames):
             return 0
         reservation.done = True
         assert isinstance(reservation, RemoteReservation)
-        self.send(["s", reservation.rid, max(prompt_tokens, 0), max(completion_tokens, 0)])
+        self.send(["s", reservation.rid, max(prompt_tokens, 0), max(completion_tokens, 0)], soon=False)
         cost = self.pricing.cost_micros(reservation.model, prompt_tokens, completion_tokens)
         reservation.cost_micros = cost
         return cost
@@ -317,7 +329,7 @@ class WorkerAccountant(_Frames):
             return
         reservation.done = True
         assert isinstance(reservation, RemoteReservation)
-        self.send(["x", reservation.rid])
+        self.send(["x", reservation.rid], soon=False)
 
     def headers(self, principal: Principal) -> dict[str, str]:
         """The x-ratelimit-* headers of the principal's pools as the server's accountant gave them
