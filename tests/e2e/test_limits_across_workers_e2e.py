@@ -154,8 +154,6 @@ def test_budgets_rates_and_tokens_hold_exactly_across_workers(tmp_path, fake_eng
             store, "select sum(cost_micros) from usage where key_id in (?, ?)", (keys["p1"][1], keys["p2"][1])
         )
         _assert_budget(org, org_spent, ORG_BUDGET, "the organization's budget")
-        # Both projects spent from it: the organization's pool is one across them and the workers.
-        assert all(s == 200 for s, _ in org[:2]), org[:2]
 
         assert sum(s == 200 for s, _ in rpm) == RPM, "requests per minute admitted exactly"
         assert {c for s, c in rpm if s != 200} == {"rate_limited"}

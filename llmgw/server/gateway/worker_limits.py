@@ -12,8 +12,9 @@ unreachable changes nothing here.
 
 The cost is a round trip on loopback per limited request (a key with no limits and no allow-list
 is not asked about at all), measured in docs/benchmarks.md. Settlements and cancellations need no
-answer, so they cost a worker a write. Messages are length-prefixed orjson arrays, written once per
-turn of the loop however many were sent in it, so a burst costs one system call a turn:
+answer, and wait up to SETTLE_DELAY_S to leave with the next admission. Messages are
+length-prefixed orjson arrays, written once per turn of the loop however many were sent in it, so
+a burst costs one system call a turn:
 
     worker -> server   ["p", pools_id, [[key, rpm, tpm, budget_micros, period], ...]]   pools, once
                        ["c", call_id, pools_id, model, est_prompt, est_completion]      admit (model
