@@ -40,6 +40,7 @@ import contextlib
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -62,7 +63,8 @@ class _Frames(asyncio.Protocol):
     """Length-prefixed orjson arrays over a stream socket; what is sent in one turn of the loop
     leaves in one write."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_message: Callable[[Any], None]) -> None:
+        self._on_message = on_message  # each message, as it arrives
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._out: list[bytes] = []
@@ -94,14 +96,11 @@ class _Frames(asyncio.Protocol):
                 return
             at += 4 + size
             try:
-                self.received(msg)
+                self._on_message(msg)
             except Exception:
                 log.exception("limits channel: a message could not be handled: %.200r", msg)
         if at:
             del buf[:at]
-
-    def received(self, msg: Any) -> None:
-        raise NotImplementedError
 
     def send(self, msg: list[Any], *, soon: bool = True) -> None:
         """Queue a message: it leaves at the end of this turn of the loop, or with ``soon`` false
@@ -154,7 +153,7 @@ class AccountantLink(_Frames):
     """The server process's end of one worker's limits channel: its accountant answers."""
 
     def __init__(self, accountant: Accountant, worker: int) -> None:
-        super().__init__()
+        super().__init__(self.received)
         self.accountant = accountant
         self.worker = worker
         self._principals: dict[int, Principal] = {}
@@ -262,7 +261,7 @@ class WorkerAccountant(_Frames):
     answered by the server process's accountant."""
 
     def __init__(self, pricing: Pricing) -> None:
-        super().__init__()
+        super().__init__(self.received)
         self.pricing = pricing
         self._ids: dict[tuple[Pool, ...], int] = {}
         self._headers: dict[int, dict[str, str]] = {}
